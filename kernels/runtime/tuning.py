@@ -1,0 +1,43 @@
+"""Tuning-table lookup shared by the kernels.
+
+A kernel's table maps generation -> {shape key: block config}. A shape that
+is not in the table gets the kernel's rule, which must always compile.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, TypeVar
+
+Config = TypeVar("Config")
+Key = tuple
+
+
+def lookup(
+    table: Mapping[str, Mapping[Key, Config]],
+    generation: str,
+    key: Key,
+    rule: Callable[[], Config],
+) -> Config:
+    """The tuned entry for (generation, key), else what `rule()` gives."""
+    entry = table.get(generation, {}).get(key)
+    return entry if entry is not None else rule()
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def largest_divisor_block(dim: int, preferred: int, quantum: int = 128) -> int:
+    """The largest multiple of `quantum` that divides `dim` and is <= preferred.
+
+    Mosaic needs a block's last two dims to be multiples of (8, 128) or the
+    whole dim, and a reduction block must divide its dim exactly (a partial
+    block would add garbage), so when no such multiple exists the whole dim
+    is the block.
+    """
+    block = (min(preferred, dim) // quantum) * quantum
+    while block >= quantum:
+        if dim % block == 0:
+            return block
+        block -= quantum
+    return dim

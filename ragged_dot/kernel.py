@@ -1,0 +1,229 @@
+"""The grouped-matmul Pallas TPU kernel: out[rows of group g] = lhs[rows] @ rhs[g].
+
+Rows of `lhs` are sorted by group. The m axis is cut into tiles of
+`block_m` rows; a tile that straddles a group boundary is visited once per
+group it holds, and each visit stores only its own group's rows. The rows
+after the last group (`sum(group_sizes)` up to the padded M) form one more
+"fill" group whose visits store zeros without any matmul. The visit list is
+computed once per call on the device (`make_visits`), handed to the kernel
+through scalar prefetch, and drives the block index maps, so:
+
+- an empty group costs nothing: its weights are never read;
+- consecutive visits to one m tile keep its output block in VMEM, and each
+  visit merges its rows into it (the first visit starts from zeros);
+- the grid has a static length (`num_m_tiles + num_groups`, the most visits
+  any routing can need); visits past the real count repeat the last block
+  indices, so they move no data, and skip all work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_m: int  # rows of lhs per tile (multiple of 16 for bf16 packing)
+    block_k: int  # contraction slice per grid step (divides K)
+    block_n: int  # output columns per grid step (divides N)
+
+
+def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
+    """The (group, m tile) visit list for rows sorted by group.
+
+    Args:
+      group_sizes: int32 [G], rows per group; their sum is at most num_rows.
+      num_rows: M padded to a multiple of block_m.
+      block_m: rows per tile.
+
+    Returns int32 arrays, in the order the kernel takes them:
+      row_start, row_end [G + 1]: each group's row range; group G is the
+        fill group covering rows sum(group_sizes) .. num_rows.
+      visit_group [V]: the group a visit serves (G for fill).
+      visit_tile [V]: the m tile it touches (non-decreasing in the visit).
+      weight_group [V]: which rhs block to have in VMEM: the visit's group,
+        or for fill and past-the-end visits the last real group (no DMA).
+      num_visits [1]: how many of the V visits are real.
+    """
+    num_groups = group_sizes.shape[0]
+    num_tiles = num_rows // block_m
+    total = jnp.sum(group_sizes)
+    sizes = jnp.concatenate([group_sizes, (num_rows - total)[None]])
+    row_end = jnp.cumsum(sizes)
+    row_start = row_end - sizes
+    first_tile = row_start // block_m
+    end_tile = (row_end + block_m - 1) // block_m
+    tiles_per_group = jnp.where(sizes > 0, end_tile - first_tile, 0)
+    visit_end = jnp.cumsum(tiles_per_group)  # exclusive end visit of each group
+    num_visits = visit_end[-1]
+
+    max_visits = num_tiles + num_groups  # each of G boundaries adds <= 1 visit
+    visit = jnp.arange(max_visits, dtype=jnp.int32)
+    # Past-the-end visits repeat the last real one: same blocks, no DMA.
+    clamped = jnp.minimum(visit, jnp.maximum(num_visits - 1, 0))
+    visit_group = jnp.searchsorted(visit_end, clamped, side="right").astype(jnp.int32)
+    visit_group = jnp.minimum(visit_group, num_groups)
+    visit_start = visit_end[visit_group] - tiles_per_group[visit_group]
+    visit_tile = first_tile[visit_group] + (clamped - visit_start)
+
+    # The rhs block a fill visit keeps: the last real group visited before it.
+    is_real = visit_group < num_groups
+    last_real = jax.lax.cummax(jnp.where(is_real, visit, -1), axis=0)
+    weight_group = jnp.where(
+        last_real >= 0, visit_group[jnp.maximum(last_real, 0)], 0
+    )
+    weight_group = jnp.minimum(weight_group, num_groups - 1)
+    i32 = lambda x: x.astype(jnp.int32)
+    return (
+        i32(row_start),
+        i32(row_end),
+        i32(visit_group),
+        i32(visit_tile),
+        i32(weight_group),
+        i32(num_visits)[None],
+    )
+
+
+def _kernel(
+    row_start, row_end, visit_group, visit_tile, weight_group, num_visits,
+    lhs_ref, rhs_ref, out_ref, acc_ref,
+    *, num_groups: int, transpose_rhs: bool, precision,
+):
+    v, k = pl.program_id(1), pl.program_id(2)
+    last_k = pl.num_programs(2) - 1
+    group = visit_group[v]
+    is_real_visit = v < num_visits[0]
+    does_matmul = jnp.logical_and(is_real_visit, group < num_groups)
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(does_matmul)
+    def _():
+        contract_rhs = 1 if transpose_rhs else 0
+        acc_ref[...] += jax.lax.dot_general(
+            lhs_ref[...], rhs_ref[...],
+            (((1,), (contract_rhs,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )
+
+    tile = visit_tile[v]
+    first_visit_of_tile = jnp.logical_or(v == 0, visit_tile[jnp.maximum(v - 1, 0)] != tile)
+
+    def store(previous):
+        block_m = acc_ref.shape[0]
+        rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
+        mine = jnp.logical_and(rows >= row_start[group], rows < row_end[group])
+        # Fill visits never accumulated, so acc is zero there.
+        out_ref[...] = jnp.where(mine, acc_ref[...], previous).astype(out_ref.dtype)
+
+    at_store = jnp.logical_and(k == last_k, is_real_visit)
+
+    @pl.when(jnp.logical_and(at_store, first_visit_of_tile))
+    def _():
+        store(jnp.zeros(acc_ref.shape, jnp.float32))
+
+    @pl.when(jnp.logical_and(at_store, jnp.logical_not(first_visit_of_tile)))
+    def _():
+        store(out_ref[...].astype(jnp.float32))
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    blocks: BlockSizes,
+    transpose_rhs: bool,
+    out_dtype,
+    interpret,
+) -> jax.Array:
+    """The pallas_call. lhs rows must already be a multiple of block_m.
+
+    `interpret` is False on a TPU, True for plain interpret mode, or a
+    `pltpu.InterpretParams` for the TPU interpreter (race detection).
+    """
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
+    assert m % bm == 0 and k % bk == 0 and n % bn == 0, (lhs.shape, rhs.shape, blocks)
+    num_tiles = m // bm
+    max_visits = num_tiles + num_groups
+    k_steps = k // bk
+    prefetch = make_visits(group_sizes, m, bm)
+
+    def k_block(v, kk, visit_group, num_visits):
+        # Visits that do no matmul pin k to the last block, the one the
+        # previous visit ended on, so they trigger no new DMA.
+        idle = jnp.logical_or(v >= num_visits[0], visit_group[v] >= num_groups)
+        return jnp.where(idle, k_steps - 1, kk)
+
+    def lhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+        return visit_tile[v], k_block(v, kk, visit_group, num_visits)
+
+    def rhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+        kb = k_block(v, kk, visit_group, num_visits)
+        if transpose_rhs:
+            return weight_group[v], nn, kb
+        return weight_group[v], kb, nn
+
+    def out_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+        return visit_tile[v], nn
+
+    rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    itemsize = jnp.dtype(lhs.dtype).itemsize
+    flops = 2 * m * k * n  # upper bound: every row once
+    cost = pl.CostEstimate(
+        flops=flops,
+        transcendentals=0,
+        bytes_accessed=(m * k + num_groups * k * n) * itemsize
+        + m * n * jnp.dtype(out_dtype).itemsize,
+    )
+    return pl.pallas_call(
+        functools.partial(
+            _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision
+        ),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(n // bn, max_visits, k_steps),
+            in_specs=[
+                pl.BlockSpec((bm, bk), lhs_map),
+                pl.BlockSpec(rhs_block, rhs_map),
+            ],
+            out_specs=pl.BlockSpec((bm, bn), out_map),
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            # n tiles are independent (v5p splits them over its two cores);
+            # visits revisit output tiles and k accumulates: sequential.
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit(blocks, itemsize, out_dtype),
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="ragged_dot_tpu",
+    )(*prefetch, lhs, rhs)
+
+
+def vmem_bytes(blocks: BlockSizes, itemsize: int, out_dtype) -> int:
+    """VMEM the kernel's buffers take: double-buffered inputs and output, fp32 acc."""
+    bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
+    out_item = jnp.dtype(out_dtype).itemsize
+    return 2 * (bm * bk + bk * bn) * itemsize + 2 * bm * bn * out_item + bm * bn * 4
+
+
+def _vmem_limit(blocks: BlockSizes, itemsize: int, out_dtype) -> int:
+    # Headroom over our own buffers for Mosaic's internal scratch.
+    need = vmem_bytes(blocks, itemsize, out_dtype)
+    return max(16 << 20, int(need * 1.5) + (4 << 20))
