@@ -1,0 +1,150 @@
+"""The thin torch layer: argument checks with clear errors, one op per call site."""
+
+from __future__ import annotations
+
+import jax
+import torch
+
+from . import ops
+from ._build import OP_NAMESPACE
+from ._shared.bridge import as_int32_index, jax_custom_op
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+# Activation modules known to compute x * sigmoid(x), by (module, class):
+# matched by name so importing this kernel does not import transformers.
+SILU_CLASSES = {("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")}
+
+
+def _ragged_dot_jax(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, transpose_rhs: bool, *, interpret, generation
+) -> jax.Array:
+    return ops.ragged_dot(
+        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, generation=generation, interpret=interpret
+    )
+
+
+def _experts_forward_jax(
+    hidden_states: jax.Array,
+    top_k_index: jax.Array,
+    top_k_weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    *,
+    interpret,
+    generation,
+) -> jax.Array:
+    return ops.experts_forward(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+        generation=generation, interpret=interpret,
+    )
+
+
+ragged_dot_op = jax_custom_op(
+    f"{OP_NAMESPACE}::ragged_dot", _ragged_dot_jax, differentiable=("lhs", "rhs")
+)
+experts_forward_op = jax_custom_op(
+    f"{OP_NAMESPACE}::experts_forward",
+    _experts_forward_jax,
+    differentiable=("hidden_states", "top_k_weights", "gate_up_proj", "down_proj"),
+)
+
+
+def _check_tensor(name, tensor, ndim, dtypes=FLOAT_DTYPES):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(tensor.shape)}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {tensor.dtype}")
+
+
+def _check_same_device(**tensors):
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must be on one device, got {devices}")
+
+
+def ragged_dot(
+    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False
+) -> torch.Tensor:
+    """Grouped matmul: rows of `lhs` are sorted by group; the first
+    group_sizes[0] rows are multiplied by rhs[0], the next by rhs[1], ...
+
+    lhs [M, K]; rhs [G, K, N] (or [G, N, K] with transpose_rhs, how
+    transformers stores expert weights: no transposed copy is made);
+    group_sizes [G] int32/int64 with non-negative values summing to at most
+    M. Returns [M, N] in lhs's dtype (fp32 accumulation); rows past
+    sum(group_sizes) are zero. Differentiable in lhs and rhs.
+    """
+    _check_tensor("lhs", lhs, 2)
+    _check_tensor("rhs", rhs, 3)
+    _check_tensor("group_sizes", group_sizes, 1, dtypes=None)
+    if rhs.dtype != lhs.dtype:
+        raise TypeError(f"rhs dtype {rhs.dtype} differs from lhs dtype {lhs.dtype}")
+    _check_same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+    k_axis = 2 if transpose_rhs else 1
+    if rhs.shape[k_axis] != lhs.shape[1]:
+        raise ValueError(
+            f"rhs {tuple(rhs.shape)} (transpose_rhs={transpose_rhs}) does not contract with lhs {tuple(lhs.shape)}"
+        )
+    if group_sizes.shape[0] != rhs.shape[0]:
+        raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups, rhs has {rhs.shape[0]}")
+    m = lhs.shape[0]
+    group_sizes = as_int32_index(group_sizes, "group_sizes", 0, m)
+    if not torch.compiler.is_compiling() and int(group_sizes.sum()) > m:
+        raise ValueError(f"group_sizes sum to {int(group_sizes.sum())}, more than lhs's {m} rows")
+    return ragged_dot_op(lhs, rhs, group_sizes, transpose_rhs)
+
+
+def _unsupported(self, what):
+    return NotImplementedError(
+        f"ragged-dot-tpu experts_forward does not support {type(self).__name__} with {what}; "
+        "supported: gate_up_proj [E, 2I, H] (gate then up), down_proj [E, H, I], SiLU, no bias"
+    )
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The transformers experts forward; register it with
+    `ALL_EXPERTS_FUNCTIONS.register(name, kernel.experts_forward)`.
+
+    Layout: gate_up_proj [E, 2I, H] (gate then up), down_proj [E, H, I],
+    SiLU, no bias (Qwen3-MoE, Mixtral, OLMoE, Qwen3.5-MoE). Expert id E in
+    top_k_index marks a token routed to another expert-parallel shard; it
+    contributes zero. One op per layer, differentiable.
+    """
+    if not getattr(self, "has_gate", True):
+        raise _unsupported(self, "has_gate=False")
+    if getattr(self, "has_bias", False):
+        raise _unsupported(self, "has_bias=True")
+    if getattr(self, "is_transposed", False):
+        raise _unsupported(self, "is_transposed=True")
+    if not getattr(self, "is_concatenated", True):
+        raise _unsupported(self, "interleaved gate/up (is_concatenated=False)")
+    act = getattr(self, "act_fn", None)
+    if (type(act).__module__, type(act).__name__) not in SILU_CLASSES:
+        raise _unsupported(self, f"activation {type(act).__name__}")
+    gate_up, down = self.gate_up_proj, self.down_proj
+    _check_tensor("hidden_states", hidden_states, 2)
+    _check_tensor("gate_up_proj", gate_up, 3)
+    _check_tensor("down_proj", down, 3)
+    _check_tensor("top_k_weights", top_k_weights, 2, dtypes=FLOAT_DTYPES + (torch.float16,))
+    _check_tensor("top_k_index", top_k_index, 2, dtypes=None)
+    num_experts, two_i, hidden = gate_up.shape
+    if hidden_states.shape[1] != hidden or two_i % 2:
+        raise ValueError(f"gate_up_proj {tuple(gate_up.shape)} does not fit hidden_states {tuple(hidden_states.shape)}")
+    if tuple(down.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"down_proj {tuple(down.shape)} should be {(num_experts, hidden, two_i // 2)}")
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
+            f"must both be [T, k] with T = {hidden_states.shape[0]}"
+        )
+    _check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                       gate_up_proj=gate_up, down_proj=down)
+    if gate_up.dtype != hidden_states.dtype or down.dtype != hidden_states.dtype:
+        raise TypeError(
+            f"expert weights ({gate_up.dtype}, {down.dtype}) must match hidden_states' dtype {hidden_states.dtype}"
+        )
+    index = as_int32_index(top_k_index, "top_k_index", 0, num_experts)
+    return experts_forward_op(hidden_states, index, top_k_weights, gate_up, down)
