@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,9 @@ import torch
 from .generations import DEFAULT_GENERATION, generation_of_device_kind
 
 BRIDGE_PARAMS = ("interpret", "generation")
+
+# qualname of a differentiable op -> its backward op (for tests and tools).
+BACKWARD_OPS: dict[str, typing.Any] = {}
 
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
 
@@ -69,14 +71,9 @@ def as_int32_index(tensor: torch.Tensor, name: str, low: int, high: int) -> torc
     return tensor.to(torch.int32)
 
 
-@functools.cache
 def tpu_generation() -> str:
-    """The generation of the TPU that torch_tpu runs on."""
-    try:
-        return generation_of_device_kind(jax.devices("tpu")[0].device_kind).name
-    except RuntimeError as err:  # JAX cannot see the TPU from this process
-        warnings.warn(f"could not read the TPU generation ({err}); using {DEFAULT_GENERATION}'s blocks")
-        return DEFAULT_GENERATION
+    """The generation of the TPU that torch_tpu runs on, as JAX sees it."""
+    return generation_of_device_kind(jax.devices("tpu")[0].device_kind).name
 
 
 class _Signature:
@@ -124,28 +121,29 @@ class _Runner:
         self.types = types
         self.returns = returns
         self.static = tuple(i for i, n in enumerate(names) if types[n] is not jax.Array)
-        self._tpu_op = None
+        self._tpu_ops = {}
 
     @functools.cached_property
     def cpu_fn(self):
         fn = functools.partial(self.jax_fn, interpret=True, generation=DEFAULT_GENERATION)
         return jax.jit(fn, static_argnums=self.static)
 
-    def tpu_fn(self):
-        """The jax_op for the TPU path, made on first TPU call (torch_tpu is
-        imported lazily: a CPU-only user never needs it)."""
-        if self._tpu_op is None:
+    def tpu_fn(self, generation: str | None = None):
+        """The torch_tpu `jax_op` for the TPU path, one per generation, made on
+        first use (torch_tpu is imported lazily: CPU users never need it)."""
+        generation = generation or tpu_generation()
+        if generation not in self._tpu_ops:
             from torch_tpu._internal.pallas.pallas import jax_op
 
-            generation = tpu_generation()
             jax_fn = self.jax_fn
 
             def on_tpu(*args):
                 return jax_fn(*args, interpret=False, generation=generation)
 
             ns, name = self.qualname.split("::")
-            self._tpu_op = jax_op(f"{ns}::{name}_tpu", _annotated(on_tpu, self.names, self.types, self.returns))
-        return self._tpu_op
+            annotated = _annotated(on_tpu, self.names, self.types, self.returns)
+            self._tpu_ops[generation] = jax_op(f"{ns}::{name}_{generation}", annotated)
+        return self._tpu_ops[generation]
 
     def __call__(self, *args):
         devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
@@ -223,6 +221,7 @@ def _register_vjp(op, qualname, jax_fn, sig, differentiable):
         qualname + "_vjp", mutates_args=(), schema=sig.schema(names=names, types=types, returns="Tensor[]")
     )(backward_runner)
     backward_op.register_fake(backward_runner.fake)
+    BACKWARD_OPS[qualname] = backward_op
 
     def setup_context(ctx, inputs, output):
         ctx.inputs = inputs

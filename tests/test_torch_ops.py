@@ -1,0 +1,163 @@
+"""The torch layer: opcheck, torch.compile, the TPU (jax_op) path, and bad input."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+import ragged_dot
+from ragged_dot import torch_ops
+from ragged_dot._shared.bridge import BACKWARD_OPS
+
+
+def _ragged_inputs(dtype=torch.float32, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    lhs = torch.randn(37, 128, generator=g, dtype=dtype, requires_grad=requires_grad)
+    rhs = torch.randn(3, 256, 128, generator=g, dtype=dtype, requires_grad=requires_grad)
+    return lhs, rhs, torch.tensor([10, 0, 20], dtype=torch.int32)
+
+
+def _experts_inputs(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    t, h, i, e, k = 6, 128, 128, 4, 2
+    hidden = torch.randn(t, h, generator=g, requires_grad=requires_grad)
+    index = torch.randint(0, e + 1, (t, k), generator=g, dtype=torch.int32)  # e = sentinel
+    weights = torch.rand(t, k, generator=g, requires_grad=requires_grad)
+    gate_up = torch.randn(e, 2 * i, h, generator=g, requires_grad=requires_grad) / 10
+    down = torch.randn(e, h, i, generator=g, requires_grad=requires_grad) / 10
+    return hidden, index, weights, gate_up, down
+
+
+def test_opcheck_ragged_dot():
+    lhs, rhs, gs = _ragged_inputs(requires_grad=True)
+    torch.library.opcheck(torch_ops.ragged_dot_op, (lhs, rhs, gs, True))
+
+
+def test_opcheck_experts_forward():
+    torch.library.opcheck(torch_ops.experts_forward_op, _experts_inputs(requires_grad=True))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    lhs, rhs, gs = _ragged_inputs()
+    compiled = torch.compile(lambda a, b, c: torch_ops.ragged_dot_op(a, b, c, True) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(lhs, rhs, gs), torch_ops.ragged_dot_op(lhs, rhs, gs, True) * 2)
+    args = _experts_inputs()
+    compiled = torch.compile(torch_ops.experts_forward_op, fullgraph=True)
+    torch.testing.assert_close(compiled(*args), torch_ops.experts_forward_op(*args))
+
+
+def test_experts_forward_sentinel_contributes_zero():
+    hidden, index, weights, gate_up, down = _experts_inputs()
+    out = torch_ops.experts_forward_op(hidden, index, weights, gate_up, down)
+    # Reference: dense per-slot loop, skipping the sentinel id.
+    want = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for s in range(index.shape[1]):
+            e = int(index[t, s])
+            if e == gate_up.shape[0]:
+                continue
+            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
+            want[t] += weights[t, s] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    assert (index == gate_up.shape[0]).any(), "inputs must exercise the sentinel"
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+OPS_AND_ARGS = {
+    "ragged_dot": (torch_ops.ragged_dot_op, lambda: (*_ragged_inputs(), True)),
+    "experts_forward": (torch_ops.experts_forward_op, _experts_inputs),
+}
+
+
+def _spec(x):
+    if isinstance(x, torch.Tensor):
+        return jax.ShapeDtypeStruct(tuple(x.shape), jnp.dtype(str(x.dtype).removeprefix("torch.")))
+    return x
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("name", sorted(OPS_AND_ARGS))
+def test_tpu_path_registers_and_exports_mosaic(name, generation):
+    """On TPU tensors an op runs through torch_tpu's jax_op. Running needs a
+    TPU; here each op, forward and backward, registers with jax_op and
+    exports a TPU module that carries our Mosaic kernel."""
+    op, make_args = OPS_AND_ARGS[name]
+    args = make_args()
+    backward = BACKWARD_OPS[op._qualname]
+    grads = [torch.ones_like(op(*args))]
+    for custom_op, op_args in ((op, args), (backward, (*args, *grads))):
+        tpu_op = custom_op._init_fn.tpu_fn(generation)
+        assert tpu_op._qualname.endswith(f"_{generation}")
+        exported = tpu_op._init_fn.exported(*map(_spec, op_args))
+        assert exported.platforms == ("tpu",)
+        module = exported.mlir_module()
+        assert "tpu_custom_call" in module and "ragged_dot_tpu" in module, custom_op._qualname
+
+
+BAD_RAGGED = [
+    (lambda l, r, g: (l[0], r, g), ValueError, "lhs must have 2 dims"),
+    (lambda l, r, g: (l, r[0], g), ValueError, "rhs must have 3 dims"),
+    (lambda l, r, g: (l.half(), r, g), TypeError, "lhs must be one of"),
+    (lambda l, r, g: (l, r.bfloat16(), g), TypeError, "rhs dtype"),
+    (lambda l, r, g: (l, r, g.float()), TypeError, "group_sizes must be int32 or int64"),
+    (lambda l, r, g: (l, r, torch.tensor([10, -1, 20])), ValueError, "group_sizes values must lie in"),
+    (lambda l, r, g: (l, r, torch.tensor([10, 0, 30])), ValueError, "sum to 40, more than lhs's 37 rows"),
+    (lambda l, r, g: (l, r, g[:2]), ValueError, "group_sizes has 2 groups, rhs has 3"),
+    (lambda l, r, g: (l[:, :64], r, g), ValueError, "does not contract"),
+    (lambda l, r, g: (l.to("meta"), r, g), ValueError, "one device"),
+]
+
+
+@pytest.mark.parametrize("make,error,message", BAD_RAGGED, ids=[b[2] for b in BAD_RAGGED])
+def test_ragged_dot_bad_input(make, error, message):
+    with pytest.raises(error, match=message):
+        ragged_dot.ragged_dot(*make(*_ragged_inputs()), transpose_rhs=True)
+
+
+def test_ragged_dot_int64_group_sizes_and_entry_point():
+    lhs, rhs, gs = _ragged_inputs()
+    torch.testing.assert_close(
+        ragged_dot.ragged_dot(lhs, rhs, gs.long(), transpose_rhs=True), torch_ops.ragged_dot_op(lhs, rhs, gs, True)
+    )
+
+
+class _Experts(torch.nn.Module):
+    """A stand-in carrying the attributes transformers' experts modules carry."""
+
+    def __init__(self, gate_up, down, **flags):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
+        self.act_fn = torch.nn.SiLU()
+        self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
+        for key, value in flags.items():
+            setattr(self, key, value)
+
+
+BAD_EXPERTS = [
+    (dict(has_bias=True), {}, NotImplementedError, "has_bias=True"),
+    (dict(is_transposed=True), {}, NotImplementedError, "is_transposed=True"),
+    (dict(has_gate=False), {}, NotImplementedError, "has_gate=False"),
+    (dict(act_fn=torch.nn.GELU()), {}, NotImplementedError, "activation GELU"),
+    ({}, dict(index=lambda i: i + 5), ValueError, "top_k_index values must lie in"),
+    ({}, dict(index=lambda i: i - 1 - i.abs()), ValueError, "top_k_index values must lie in"),
+    ({}, dict(index=lambda i: i.float()), TypeError, "top_k_index must be int32 or int64"),
+    ({}, dict(weights=lambda w: w[:, :1]), ValueError, "must both be"),
+    ({}, dict(hidden=lambda h: h[:, :64]), ValueError, "does not fit hidden_states"),
+    ({}, dict(hidden=lambda h: h.bfloat16()), TypeError, "must match hidden_states' dtype"),
+]
+
+
+@pytest.mark.parametrize("flags,edits,error,message", BAD_EXPERTS, ids=[b[3] for b in BAD_EXPERTS])
+def test_experts_forward_bad_input(flags, edits, error, message):
+    hidden, index, weights, gate_up, down = _experts_inputs()
+    module = _Experts(gate_up, down, **flags)
+    hidden = edits.get("hidden", lambda x: x)(hidden)
+    index = edits.get("index", lambda x: x)(index)
+    weights = edits.get("weights", lambda x: x)(weights)
+    with pytest.raises(error, match=message):
+        ragged_dot.experts_forward(module, hidden, index, weights)
+
+
+def test_experts_forward_int64_index_matches_op():
+    hidden, index, weights, gate_up, down = _experts_inputs()
+    out = ragged_dot.experts_forward(_Experts(gate_up, down), hidden, index.long(), weights)
+    torch.testing.assert_close(out, torch_ops.experts_forward_op(hidden, index, weights, gate_up, down))
