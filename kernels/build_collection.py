@@ -1,0 +1,138 @@
+"""Builds the Hub repo trees of the collection from build.toml (`make build`).
+
+For each kernel in the manifest, writes build/<repo>/:
+  build.toml                      the Hub builder's manifest for this repo
+  README.md                       the kernel's card (from <folder>/CARD.md)
+  build/torch-tpu/                the package + metadata.json
+  build/torch-universal/          the same package again: kernels 0.17.2
+                                  picks torch-tpu only when torch.backends.tpu
+                                  exists, which torch_tpu 0.2.0 does not set
+
+The package is the kernel folder with the shared runtime vendored in as
+`_shared` and `_build.py` rewritten with an op namespace unique to the
+build's content. Also makes an offline Hub cache from the trees
+(`make_hub_cache`), which is how tests and the demo load what users load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import tomllib
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = REPO_ROOT / "build.toml"
+VARIANTS = ("torch-tpu", "torch-universal")
+NOT_SHIPPED = ("__pycache__", "*.pyc", "CARD.md")
+
+
+def load_manifest(path: Path = MANIFEST) -> dict:
+    manifest = tomllib.loads(path.read_text())
+    org = manifest["collection"]["hub-org"]
+    kernels = {}
+    for key, entry in manifest["kernels"].items():
+        kernels[key] = {
+            **entry,
+            "license": entry.get("license", manifest["collection"]["license"]),
+            "repo-id": f"{org}/{entry['repo']}",
+            "package": entry["repo"].replace("-", "_"),
+        }
+    return {"org": org, "kernels": kernels}
+
+
+def _tree_digest(root: Path) -> str:
+    digest = hashlib.sha1()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _stage_package(kernel: dict, dest: Path) -> str:
+    """Copies the kernel folder (symlinks resolved, so `_shared` is vendored)
+    and stamps the build's op namespace. Returns the namespace."""
+    source = REPO_ROOT / kernel["folder"]
+    shutil.copytree(source, dest, symlinks=False, ignore=shutil.ignore_patterns(*NOT_SHIPPED))
+    namespace = f"_{kernel['package']}_{_tree_digest(dest)[:10]}"
+    (dest / "_build.py").write_text(
+        "# Written by kernels/build_collection.py: this build's op namespace.\n"
+        f'OP_NAMESPACE = "{namespace}"\n'
+    )
+    return namespace
+
+
+def _hub_build_toml(kernel: dict) -> str:
+    return (
+        "[general]\n"
+        f'name = "{kernel["repo"]}"\n'
+        f"version = {kernel['version']}\n"
+        f'license = "{kernel["license"]}"\n'
+        'backends = ["tpu"]\n\n'
+        "[general.hub]\n"
+        f'repo-id = "{kernel["repo-id"]}"\n\n'
+        "[torch-noarch]\n"
+    )
+
+
+def build_kernel(kernel: dict, out_root: Path) -> Path:
+    tree = out_root / kernel["repo"]
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    for variant in VARIANTS:
+        variant_dir = tree / "build" / variant
+        namespace = _stage_package(kernel, variant_dir / kernel["package"])
+        metadata = {
+            "id": namespace,
+            "name": kernel["repo"],
+            "version": kernel["version"],
+            "license": kernel["license"],
+            "python-depends": [],
+            "backend": {"type": "tpu"},
+        }
+        (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    (tree / "build.toml").write_text(_hub_build_toml(kernel))
+    card = (REPO_ROOT / kernel["folder"] / "CARD.md").read_text()
+    (tree / "README.md").write_text(
+        card.format(repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"])
+    )
+    return tree
+
+
+def build_all(out_root: Path = REPO_ROOT / "build", only: list[str] | None = None) -> dict[str, Path]:
+    kernels = load_manifest()["kernels"]
+    return {key: build_kernel(kernels[key], out_root) for key in (only or kernels)}
+
+
+def make_hub_cache(trees: dict[str, Path], cache: Path) -> dict[str, str]:
+    """Lays the built trees out as the Hub cache `get_kernel` reads offline
+    (`kernels--<org>--<repo>/refs/v<version>` -> snapshots/<commit>/...).
+    The commit is the tree's content digest. Returns repo-id -> commit."""
+    kernels = load_manifest()["kernels"]
+    commits = {}
+    for key, tree in trees.items():
+        kernel = kernels[key]
+        commit = _tree_digest(tree)
+        repo_dir = cache / ("kernels--" + kernel["repo-id"].replace("/", "--"))
+        shutil.rmtree(repo_dir, ignore_errors=True)
+        (repo_dir / "refs").mkdir(parents=True)
+        (repo_dir / "refs" / f"v{kernel['version']}").write_text(commit)
+        shutil.copytree(tree, repo_dir / "snapshots" / commit)
+        commits[kernel["repo-id"]] = commit
+    return commits
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "build")
+    parser.add_argument("kernels", nargs="*", help="manifest keys (default: all)")
+    args = parser.parse_args()
+    for key, tree in build_all(args.out, args.kernels or None).items():
+        files = sum(1 for p in tree.rglob("*") if p.is_file())
+        print(f"{key}: {tree} ({files} files)")
+
+
+if __name__ == "__main__":
+    main()

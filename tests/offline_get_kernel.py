@@ -1,0 +1,38 @@
+"""Run in a fresh process by test_build_and_load.py: loads a built kernel the
+way users do, `get_kernel(repo_id, version=N)`, offline from a Hub cache, and
+prints JSON about what was loaded and how it computed.
+
+usage: offline_get_kernel.py CACHE REPO_ID VERSION [--torch-backends-tpu]
+"""
+
+import json
+import os
+import sys
+import types
+
+cache, repo_id, version = sys.argv[1], sys.argv[2], int(sys.argv[3])
+# Read once, when huggingface_hub and kernels are imported: set them first.
+os.environ.update(HF_HUB_OFFLINE="1", KERNELS_CACHE=cache, JAX_PLATFORMS="cpu",
+                  TORCH_DEVICE_BACKEND_AUTOLOAD="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+
+import torch  # noqa: E402
+
+if "--torch-backends-tpu" in sys.argv:
+    # What kernels 0.17.2 looks for to pick the torch-tpu variant.
+    torch.backends.tpu = types.SimpleNamespace()
+
+from kernels import get_kernel  # noqa: E402
+
+kernel = get_kernel(repo_id, version=version)
+lhs = torch.randn(37, 128, generator=torch.Generator().manual_seed(0))
+rhs = torch.randn(3, 128, 256, generator=torch.Generator().manual_seed(1))
+group_sizes = torch.tensor([10, 0, 20])
+out = kernel.ragged_dot(lhs, rhs, group_sizes)
+want = torch.cat([lhs[:10] @ rhs[0], lhs[10:30] @ rhs[2], torch.zeros(7, 256)])
+print(json.dumps({
+    "file": kernel.__file__,
+    "variant": os.path.basename(os.path.dirname(os.path.dirname(kernel.__file__))),
+    "all": sorted(kernel.__all__),
+    "op_namespaces": sorted({op.split("::")[0] for op in torch._C._dispatch_get_all_op_names() if "ragged_dot_tpu" in op}),
+    "max_abs_error": (out - want).abs().max().item(),
+}))

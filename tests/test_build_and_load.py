@@ -1,0 +1,83 @@
+"""Layer 4: the built Hub tree loads the way users load it, offline."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS.parent / "kernels"))
+
+import build_collection  # noqa: E402
+import publish  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("build")
+    trees = build_collection.build_all(out)
+    cache = tmp_path_factory.mktemp("hub-cache")
+    commits = build_collection.make_hub_cache(trees, cache)
+    return trees, cache, commits
+
+
+def test_tree_layout_and_metadata(built):
+    trees, _, _ = built
+    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
+    tree = trees["ragged_dot"]
+    hub_toml = tomllib.loads((tree / "build.toml").read_text())
+    assert hub_toml["general"] == {
+        "name": "ragged-dot-tpu", "version": kernel["version"], "license": kernel["license"],
+        "backends": ["tpu"], "hub": {"repo-id": kernel["repo-id"]},
+    }
+    assert "torch-noarch" in hub_toml
+    card = (tree / "README.md").read_text()
+    assert kernel["repo-id"] in card and "{" + "repo_id}" not in card
+    for variant in build_collection.VARIANTS:
+        meta = json.loads((tree / "build" / variant / "metadata.json").read_text())
+        assert meta["name"] == "ragged-dot-tpu" and meta["python-depends"] == []
+        assert meta["backend"] == {"type": "tpu"} and meta["version"] == kernel["version"]
+        package = tree / "build" / variant / "ragged_dot_tpu"
+        assert (package / "_shared" / "bridge.py").is_file(), "shared runtime must be vendored"
+        assert not (package / "_shared").is_symlink() and not (package / "CARD.md").exists()
+        assert meta["id"] in (package / "_build.py").read_text()
+        # Only relative imports inside a published kernel.
+        for source in package.rglob("*.py"):
+            for line in source.read_text().splitlines():
+                assert not line.lstrip().startswith(("from ragged_dot", "import ragged_dot")), (source, line)
+
+
+def _load(cache, *flags):
+    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "offline_get_kernel.py"), str(cache), kernel["repo-id"],
+         str(kernel["version"]), *flags],
+        capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "KERNELS_CACHE")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("flags,variant", [((), "torch-universal"), (("--torch-backends-tpu",), "torch-tpu")])
+def test_get_kernel_offline(built, flags, variant):
+    _, cache, commits = built
+    loaded = _load(cache, *flags)
+    assert loaded["variant"] == variant
+    assert f"/snapshots/{next(iter(commits.values()))}/build/{variant}/" in loaded["file"]
+    assert loaded["all"] == ["experts_forward", "ragged_dot"]
+    assert len(loaded["op_namespaces"]) == 1 and loaded["op_namespaces"][0].startswith("_ragged_dot_tpu_")
+    assert loaded["max_abs_error"] < 1e-3  # fp32 sums of 128 products of N(0,1)
+
+
+def test_publish_dry_run(built, capsys, tmp_path):
+    assert publish.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    methods = [line.split()[0] for line in lines]
+    assert methods == ["create_repo", "upload_file", "create_branch", "upload_folder"]
+    assert all("repo_type=kernel" in line for line in lines)
+    assert "revision=main" in lines[1] and "branch=v1" in lines[2] and "revision=v1" in lines[3]
