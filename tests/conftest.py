@@ -9,8 +9,15 @@ os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+# The repo root for the kernel folders; kernels/ for the tools (build,
+# publish, AOT compile). kernels/ itself is never a package.
+for path in (os.path.join(REPO, "kernels"), REPO):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import tpu_compile  # noqa: E402
+
+tpu_compile.configure_environment()  # before anything loads libtpu
 
 import kernels  # noqa: E402
 

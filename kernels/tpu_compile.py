@@ -1,0 +1,117 @@
+"""Ahead-of-time compilation for real TPU chips on a machine without one.
+
+libtpu's Mosaic and XLA:TPU compilers run against a topology description
+(`v5e:2x2`, ...), so "it compiles and fits VMEM" is a fact we can check
+here. libtpu writes a VMEM report and the final VLIW schedule for every
+kernel it compiles into a dump folder; `compile_for` reads them back.
+
+`configure_environment()` must run before libtpu loads (before the first
+topology is made or torch_tpu is imported): libtpu reads its flags once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+_DUMP_CATEGORIES = "memory-report,codegen"
+
+
+def configure_environment(dump_dir: str | None = None) -> Path:
+    """Sets libtpu's dump flags and quiets its host probing. Idempotent."""
+    existing = os.environ.get("TPU_KERNELS_DUMP_DIR")
+    if existing:
+        return Path(existing)
+    dump = Path(dump_dir or tempfile.mkdtemp(prefix="libtpu-dump-"))
+    dump.mkdir(parents=True, exist_ok=True)
+    os.environ["TPU_KERNELS_DUMP_DIR"] = str(dump)
+    os.environ["LIBTPU_INIT_ARGS"] = (
+        os.environ.get("LIBTPU_INIT_ARGS", "")
+        + f" --xla_jf_dump_to={dump} --xla_jf_dump_category_filter={_DUMP_CATEGORIES}"
+    ).strip()
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Without these libtpu probes for TPU hosts and logs errors (harmless).
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    return dump
+
+
+@dataclasses.dataclass
+class KernelReport:
+    vmem_bytes: int  # all VMEM the compiler allocated for the kernel
+    bundles: int | None  # VLIW bundles in its final schedule (static, per kernel body)
+
+
+@dataclasses.dataclass
+class CompileReport:
+    generation: str
+    device_kind: str
+    compile_seconds: float
+    vmem_capacity: int | None
+    kernels: dict[str, KernelReport]  # keyed by the HLO op name of each Pallas kernel
+
+
+_devices = {}
+
+
+def device_for(generation: str):
+    """One device of the generation's smallest AOT topology."""
+    from runtime.generations import GENERATIONS
+    from jax.experimental import topologies
+
+    if generation not in _devices:
+        topology = GENERATIONS[generation].topology
+        _devices[generation] = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    return _devices[generation]
+
+
+def compile_for(fn, arg_specs, generation: str, kernel_name: str) -> CompileReport:
+    """Compiles `fn(*args)` for one device of `generation`.
+
+    arg_specs: (shape, dtype) per argument. Reports every Pallas kernel whose
+    name contains `kernel_name`. Raises the compiler's error when it fails
+    (a VMEM overflow is `RESOURCE_EXHAUSTED ... vmem`).
+    """
+    import jax
+
+    dump = configure_environment()
+    device = device_for(generation)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in arg_specs]
+    before = set(os.listdir(dump))
+    start = time.perf_counter()
+    with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
+        jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    capacity, kernels = _read_dump(dump, sorted(set(os.listdir(dump)) - before), kernel_name)
+    if not kernels:
+        raise RuntimeError(f"libtpu's dump in {dump} has no VMEM report for a kernel named {kernel_name!r}")
+    return CompileReport(generation, device.device_kind, seconds, capacity, kernels)
+
+
+def _read_dump(dump: Path, files: list[str], kernel_name: str):
+    capacity, vmem, bundles = None, {}, {}
+    for name in files:
+        path = Path(dump) / name
+        if name.endswith("vmem_report.html"):
+            text = path.read_text()
+            data, _ = json.JSONDecoder().raw_decode(text[text.index("const DATA =") + len("const DATA ="):].lstrip())
+            capacity = data.get("global_info", {}).get("vmem_capacity", capacity)
+            for op, info in data["hlo_breakdowns"].items():
+                if kernel_name in op or kernel_name in str(info.get("metadata", "")):
+                    vmem[op] = info["total_size"]
+        elif name.endswith("schedule-analysis_final_bundles.txt"):
+            match = re.search(r"total scheduled bundles:\s+(\d+)", path.read_text())
+            if match:
+                bundles[name] = int(match.group(1))
+    kernels = {
+        op: KernelReport(size, next((b for f, b in bundles.items() if f"-{op}-" in f), None))
+        for op, size in vmem.items()
+    }
+    return capacity, kernels
