@@ -1,0 +1,249 @@
+"""Counts what a Pallas TPU kernel moves and computes, from the kernel itself.
+
+Given a JAX function and concrete inputs, `kernel_costs` finds each
+`pallas_call` in it, computes that call's real scalar-prefetch values, and
+walks its grid in order the way the TPU pipeline does:
+
+- HBM traffic: an operand's block is copied in (or an output's written
+  back) whenever its block index differs from the previous grid step's;
+  each copy moves the block clipped to the array's bounds. Block shapes
+  and index maps are read from the pallas_call, not written by hand.
+- MXU work: each `dot_general` in the kernel body counts at its shapes
+  padded to the MXU (rows to 8, contraction and columns to the MXU width),
+  on the grid steps where it runs: a dot under `pl.when(cond)` counts on
+  the steps whose condition (computed from the grid indices and scalar
+  prefetch, as the kernel does) selects it.
+
+The walk models one TensorCore's sequential order; a v5p megacore splits
+the "parallel" axes over two cores, which the time model accounts for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+from jax._src.pallas import core as pallas_core
+from jax._src.state.discharge import discharge_state
+
+CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+
+
+@dataclasses.dataclass
+class KernelCost:
+    name: str
+    grid: tuple[int, ...]
+    grid_steps: int
+    hbm_bytes: int  # all operands, clipped blocks, per copy
+    bytes_by_operand: dict[str, int]
+    mxu_flops: int  # padded to the MXU's shape
+    dot_flops: int  # the dots at their block shapes, unpadded, on steps that run them
+    work_steps: int  # grid steps that run at least one dot
+
+
+def _sub_jaxpr(eqn):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        value = eqn.params.get(key)
+        if isinstance(value, jcore.ClosedJaxpr):
+            return value
+        if isinstance(value, jcore.Jaxpr):
+            return jcore.ClosedJaxpr(value, ())
+    return None
+
+
+def pallas_calls(fn, *args):
+    """[(pallas_call eqn, its concrete input values)] in program order. Each
+    pallas_call's outputs are replaced by zeros: the cost of a kernel
+    depends on its scalar prefetch (routing), not on other kernels' values."""
+    closed = jax.make_jaxpr(fn)(*args)
+    found = []
+
+    def run(jaxpr, consts, values):
+        env = {}
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+        for var, val in zip(jaxpr.constvars, consts):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, values):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if eqn.primitive.name == "pallas_call":
+                found.append((eqn, invals))
+                outs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            elif eqn.primitive.name in CALL_PRIMITIVES and _sub_jaxpr(eqn) is not None:
+                sub = _sub_jaxpr(eqn)
+                outs = run(sub.jaxpr, sub.consts, invals)
+            else:
+                outs = eqn.primitive.bind(*invals, **eqn.params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            for var, val in zip(eqn.outvars, outs):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    run(closed.jaxpr, closed.consts, args)
+    return found
+
+
+def _grid_points(grid):
+    """All grid points in the TPU's iteration order (last axis fastest)."""
+    points = np.array(list(itertools.product(*(range(g) for g in grid))), dtype=np.int32)
+    return points.reshape(-1, len(grid))
+
+
+def _block_dims(block_mapping):
+    dims = []
+    for dim in block_mapping.block_shape:
+        if isinstance(dim, pallas_core.Squeezed) or dim is None:
+            dims.append(1)
+        elif isinstance(dim, pallas_core.Blocked):
+            dims.append(dim.block_size)
+        elif isinstance(dim, int):
+            dims.append(dim)
+        else:
+            raise NotImplementedError(f"block dim {dim!r}")
+    return dims
+
+
+def _block_indices(block_mapping, points, prefetch):
+    """Block index of one operand at every grid point: [steps, ndim]."""
+    pure = discharge_state(block_mapping.index_map_jaxpr)
+    num_out = len(block_mapping.block_shape)
+
+    def one(point):
+        outs = jcore.jaxpr_as_fun(pure)(*point, *prefetch)
+        return jnp.stack([jnp.asarray(o, jnp.int32) for o in outs[:num_out]])
+
+    return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(points).T.reshape(len(points[0]), -1).T))
+
+
+def _copy_bytes(block_mapping, indices):
+    """Bytes per copy at each step where the block index changes."""
+    dims = _block_dims(block_mapping)
+    shape = block_mapping.array_aval.shape
+    itemsize = np.dtype(block_mapping.array_aval.dtype).itemsize
+    changed = np.ones(len(indices), bool)
+    changed[1:] = np.any(indices[1:] != indices[:-1], axis=1)
+    starts = indices[changed] * np.asarray(dims)
+    sizes = np.minimum(np.asarray(dims), np.maximum(np.asarray(shape) - starts, 0))
+    return int(np.prod(sizes, axis=1).sum()) * itemsize
+
+
+def _dots(jaxpr):
+    return [e for e in jaxpr.eqns if e.primitive.name == "dot_general"] + [
+        d for e in jaxpr.eqns for sub in _branches(e) for d in _dots(sub.jaxpr)
+    ]
+
+
+def _branches(eqn):
+    if eqn.primitive.name == "cond":
+        return list(eqn.params["branches"])
+    sub = _sub_jaxpr(eqn)
+    return [sub] if sub is not None else []
+
+
+def _dot_flops(eqn, mxu_width):
+    """(MXU-padded, unpadded) FLOPs of one dot_general in the kernel body."""
+    (lhs_contract, rhs_contract), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    k = math.prod(lhs[d] for d in lhs_contract)
+    batch = math.prod(lhs[d] for d in lhs_batch)
+    m = math.prod(s for d, s in enumerate(lhs) if d not in lhs_contract and d not in lhs_batch)
+    n = math.prod(s for d, s in enumerate(rhs) if d not in rhs_contract and d not in eqn.params["dimension_numbers"][1][1])
+    pad = lambda x, q: -(-x // q) * q
+    return 2 * batch * pad(m, 8) * pad(k, mxu_width) * pad(n, mxu_width), 2 * batch * m * k * n
+
+
+def _work_per_step(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width):
+    """(MXU-padded FLOPs, unpadded FLOPs) per grid step, from the kernel body's dots
+    and the conditions (pl.when) guarding them."""
+    padded = np.zeros(len(points), np.int64)
+    unpadded = np.zeros(len(points), np.int64)
+    for i, eqn in enumerate(kernel_jaxpr.eqns):
+        if eqn.primitive.name == "dot_general":
+            p, u = _dot_flops(eqn, mxu_width)
+            padded += p
+            unpadded += u
+            continue
+        branches = _branches(eqn)
+        per_branch = [[_dot_flops(d, mxu_width) for d in _dots(b.jaxpr)] for b in branches]
+        if not any(per_branch):
+            continue
+        if eqn.primitive.name != "cond" or all(per_branch):
+            taken = np.zeros(len(points), np.int32)  # every branch does work: no need to know which
+            if eqn.primitive.name == "cond":
+                per_branch = [per_branch[0]] * len(per_branch)
+        else:
+            taken = _cond_index(kernel_jaxpr, i, num_prefetch, points, prefetch)
+        for branch, dots in enumerate(per_branch):
+            on = taken == branch
+            padded += on * sum(p for p, _ in dots)
+            unpadded += on * sum(u for _, u in dots)
+    return padded, unpadded
+
+
+def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
+    """Which branch the cond at `eqn_index` takes at each grid step, computed
+    from the grid indices and scalar prefetch the way the kernel does."""
+    pred_var = kernel_jaxpr.eqns[eqn_index].invars[0]
+    # Backward slice: only the equations the condition depends on (effects ignored).
+    needed, kept = {pred_var}, []
+    for eqn in reversed(kernel_jaxpr.eqns[:eqn_index]):
+        if any(v in needed for v in eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    if needed & set(kernel_jaxpr.invars[num_prefetch:]):
+        raise NotImplementedError("a dot's condition reads VMEM data; cannot count its steps statically")
+    # program_id / num_programs become inputs, so the slice runs outside a kernel.
+    grid_inputs = [(e.primitive.name, e.params["axis"], e.outvars[0]) for e in kept
+                   if e.primitive.name in ("program_id", "num_programs")]
+    body = [e for e in kept[::-1] if e.primitive.name not in ("program_id", "num_programs")]
+    sliced = kernel_jaxpr.replace(
+        eqns=body, outvars=[pred_var], effects=frozenset(),
+        invars=[v for _, _, v in grid_inputs] + list(kernel_jaxpr.invars[:num_prefetch]))
+    pure = jcore.jaxpr_as_fun(discharge_state(jcore.ClosedJaxpr(sliced, ())))
+    grid_shape = points.max(axis=0) + 1
+
+    def one(point):
+        grid_values = [point[axis] if name == "program_id" else jnp.int32(grid_shape[axis])
+                       for name, axis, _ in grid_inputs]
+        return jnp.asarray(pure(*grid_values, *prefetch)[0], jnp.int32)
+
+    return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(points)))
+
+
+def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
+    grid_mapping = eqn.params["grid_mapping"]
+    if grid_mapping.num_dynamic_grid_bounds:
+        dynamic = iter(int(np.asarray(v).reshape(-1)[0]) for v in invals[: grid_mapping.num_dynamic_grid_bounds])
+        grid = tuple(next(dynamic) if pallas_core.is_dynamic_dim(g) else g for g in grid_mapping.grid)
+        invals = invals[grid_mapping.num_dynamic_grid_bounds:]
+    else:
+        grid = tuple(grid_mapping.grid)
+    num_prefetch = grid_mapping.num_index_operands
+    prefetch = [jnp.asarray(v) for v in invals[:num_prefetch]]
+    points = _grid_points(grid)
+    by_operand = {}
+    for i, block_mapping in enumerate(grid_mapping.block_mappings):
+        indices = _block_indices(block_mapping, points, prefetch)
+        kind = "in" if i < grid_mapping.num_inputs else "out"
+        by_operand[f"{kind}{i}:{block_mapping.array_aval.str_short()}"] = _copy_bytes(block_mapping, indices)
+    padded, unpadded = _work_per_step(eqn.params["jaxpr"], num_prefetch, points, prefetch, mxu_width)
+    return KernelCost(
+        name=eqn.params.get("name") or str(eqn.params.get("metadata", "")),
+        grid=grid,
+        grid_steps=len(points),
+        hbm_bytes=sum(by_operand.values()),
+        bytes_by_operand=by_operand,
+        mxu_flops=int(padded.sum()),
+        dot_flops=int(unpadded.sum()),
+        work_steps=int((padded > 0).sum()),
+    )
+
+
+def kernel_costs(fn, args, mxu_width: int) -> list[KernelCost]:
+    return [analyze_call(eqn, invals, mxu_width) for eqn, invals in pallas_calls(fn, *args)]
