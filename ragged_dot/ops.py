@@ -78,6 +78,38 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, residuals, grad_out):
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
+def _shape_of(name, shape, ndim):
+    shape = tuple(shape)
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {shape}")
+    return shape
+
+
+def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs):
+    """Shape checks shared by the JAX and torch entry points (shapes only)."""
+    m, k = _shape_of("lhs", lhs, 2)
+    rhs = _shape_of("rhs", rhs, 3)
+    (groups,) = _shape_of("group_sizes", group_sizes, 1)
+    if rhs[2 if transpose_rhs else 1] != k:
+        raise ValueError(f"rhs {rhs} (transpose_rhs={transpose_rhs}) does not contract with lhs {(m, k)}")
+    if groups != rhs[0]:
+        raise ValueError(f"group_sizes has {groups} groups, rhs has {rhs[0]}")
+
+
+def check_experts_shapes(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    tokens, hidden = _shape_of("hidden_states", hidden_states, 2)
+    experts, two_i, gate_up_hidden = _shape_of("gate_up_proj", gate_up_proj, 3)
+    down = _shape_of("down_proj", down_proj, 3)
+    index = _shape_of("top_k_index", top_k_index, 2)
+    weights = _shape_of("top_k_weights", top_k_weights, 2)
+    if gate_up_hidden != hidden or two_i % 2:
+        raise ValueError(f"gate_up_proj {(experts, two_i, gate_up_hidden)} does not fit hidden_states {(tokens, hidden)}")
+    if down != (experts, hidden, two_i // 2):
+        raise ValueError(f"down_proj {down} should be {(experts, hidden, two_i // 2)}")
+    if index != weights or index[0] != tokens:
+        raise ValueError(f"top_k_index {index} and top_k_weights {weights} must both be [T, k] with T = {tokens}")
+
+
 def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, interpret=None):
     """Grouped matmul with `jax.lax.ragged_dot` semantics.
 
@@ -93,6 +125,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, i
     Returns [M, N] in lhs's dtype (accumulated in fp32); rows past
     sum(group_sizes) are zero.
     """
+    check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
     generation, interpret = _resolve(generation, interpret)
     return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs, generation, interpret)
 
@@ -120,6 +153,8 @@ def experts_forward(
     hidden_states [T, H], top_k_index int32 [T, k] (id E: routed to another
     shard, contributes zero), top_k_weights [T, k]. Returns [T, H].
     """
+    check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape,
+                         gate_up_proj.shape, down_proj.shape)
     generation, interpret = _resolve(generation, interpret)
     num_tokens, top_k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]

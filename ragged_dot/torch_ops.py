@@ -50,11 +50,9 @@ experts_forward_op = jax_custom_op(
 )
 
 
-def _check_tensor(name, tensor, ndim, dtypes=FLOAT_DTYPES):
+def _check_tensor(name, tensor, dtypes=FLOAT_DTYPES):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(tensor.shape)}")
     if dtypes is not None and tensor.dtype not in dtypes:
         raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {tensor.dtype}")
 
@@ -77,19 +75,13 @@ def ragged_dot(
     M. Returns [M, N] in lhs's dtype (fp32 accumulation); rows past
     sum(group_sizes) are zero. Differentiable in lhs and rhs.
     """
-    _check_tensor("lhs", lhs, 2)
-    _check_tensor("rhs", rhs, 3)
-    _check_tensor("group_sizes", group_sizes, 1, dtypes=None)
+    _check_tensor("lhs", lhs)
+    _check_tensor("rhs", rhs)
+    _check_tensor("group_sizes", group_sizes, dtypes=None)
     if rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs dtype {rhs.dtype} differs from lhs dtype {lhs.dtype}")
     _check_same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
-    k_axis = 2 if transpose_rhs else 1
-    if rhs.shape[k_axis] != lhs.shape[1]:
-        raise ValueError(
-            f"rhs {tuple(rhs.shape)} (transpose_rhs={transpose_rhs}) does not contract with lhs {tuple(lhs.shape)}"
-        )
-    if group_sizes.shape[0] != rhs.shape[0]:
-        raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups, rhs has {rhs.shape[0]}")
+    ops.check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
     m = lhs.shape[0]
     group_sizes = as_int32_index(group_sizes, "group_sizes", 0, m)
     if not torch.compiler.is_compiling() and int(group_sizes.sum()) > m:
@@ -125,21 +117,13 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if (type(act).__module__, type(act).__name__) not in SILU_CLASSES:
         raise _unsupported(self, f"activation {type(act).__name__}")
     gate_up, down = self.gate_up_proj, self.down_proj
-    _check_tensor("hidden_states", hidden_states, 2)
-    _check_tensor("gate_up_proj", gate_up, 3)
-    _check_tensor("down_proj", down, 3)
-    _check_tensor("top_k_weights", top_k_weights, 2, dtypes=FLOAT_DTYPES + (torch.float16,))
-    _check_tensor("top_k_index", top_k_index, 2, dtypes=None)
-    num_experts, two_i, hidden = gate_up.shape
-    if hidden_states.shape[1] != hidden or two_i % 2:
-        raise ValueError(f"gate_up_proj {tuple(gate_up.shape)} does not fit hidden_states {tuple(hidden_states.shape)}")
-    if tuple(down.shape) != (num_experts, hidden, two_i // 2):
-        raise ValueError(f"down_proj {tuple(down.shape)} should be {(num_experts, hidden, two_i // 2)}")
-    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
-            f"must both be [T, k] with T = {hidden_states.shape[0]}"
-        )
+    _check_tensor("hidden_states", hidden_states)
+    _check_tensor("gate_up_proj", gate_up)
+    _check_tensor("down_proj", down)
+    _check_tensor("top_k_weights", top_k_weights, dtypes=FLOAT_DTYPES + (torch.float16,))
+    _check_tensor("top_k_index", top_k_index, dtypes=None)
+    ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, gate_up.shape, down.shape)
+    num_experts = gate_up.shape[0]
     _check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
                        gate_up_proj=gate_up, down_proj=down)
     if gate_up.dtype != hidden_states.dtype or down.dtype != hidden_states.dtype:

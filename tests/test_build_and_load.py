@@ -81,3 +81,11 @@ def test_publish_dry_run(built, capsys, tmp_path):
     assert methods == ["create_repo", "upload_file", "create_branch", "upload_folder"]
     assert all("repo_type=kernel" in line for line in lines)
     assert "revision=main" in lines[1] and "branch=v1" in lines[2] and "revision=v1" in lines[3]
+
+
+def test_import_kernels_is_hugging_face_kernels():
+    """Our kernels/ folder holds tools and shared code, never the name `kernels`."""
+    import kernels
+
+    assert Path(kernels.__file__).parent.parent.name == "site-packages"
+    assert not (TESTS.parent / "kernels" / "__init__.py").exists()

@@ -89,3 +89,14 @@ def test_visit_list_covers_each_row_once():
             stores[rows[(rows >= starts[vgroup[v]]) & (rows < ends[vgroup[v]])]] += 1
         assert (stores == 1).all(), sizes
         assert int(nvis[0]) <= num_rows // block_m + len(sizes)
+
+
+@pytest.mark.parametrize("shapes,message", [
+    (((37,), (4, 256, 128), (4,)), "lhs must have 2 dims"),
+    (((37, 256), (4, 128, 128), (4,)), "does not contract"),
+    (((37, 256), (4, 256, 128), (3,)), "group_sizes has 3 groups, rhs has 4"),
+])
+def test_jax_entry_point_rejects_bad_shapes(shapes, message):
+    lhs, rhs, gs = (jnp.zeros(s, jnp.int32 if len(s) == 1 and i == 2 else jnp.float32) for i, s in enumerate(shapes))
+    with pytest.raises(ValueError, match=message):
+        ops.ragged_dot(lhs, rhs, gs)
