@@ -8,6 +8,7 @@ import torch
 from . import ops
 from ._build import OP_NAMESPACE
 from ._shared.bridge import as_int32_index, jax_custom_op
+from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -86,7 +87,11 @@ def ragged_dot(
     group_sizes = as_int32_index(group_sizes, "group_sizes", 0, m)
     if not torch.compiler.is_compiling() and int(group_sizes.sum()) > m:
         raise ValueError(f"group_sizes sum to {int(group_sizes.sum())}, more than lhs's {m} rows")
-    return ragged_dot_op(lhs, rhs, group_sizes, transpose_rhs)
+    # Rows past sum(group_sizes) cost no matmul, so padding M to a bucket is
+    # cheap and bounds the shapes (compiles) the op sees.
+    padded = bucket_size(m)
+    out = ragged_dot_op(torch.nn.functional.pad(lhs, (0, 0, 0, padded - m)), rhs, group_sizes, transpose_rhs)
+    return out[:m] if padded != m else out
 
 
 def _unsupported(self, what):
@@ -131,4 +136,13 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
             f"expert weights ({gate_up.dtype}, {down.dtype}) must match hidden_states' dtype {hidden_states.dtype}"
         )
     index = as_int32_index(top_k_index, "top_k_index", 0, num_experts)
-    return experts_forward_op(hidden_states, index, top_k_weights, gate_up, down)
+    # Pad tokens to a bucket (bounded compiles). Padding tokens are routed to
+    # the sentinel expert with weight 0: the kernel spends no matmul on them.
+    tokens = hidden_states.shape[0]
+    pad = bucket_size(tokens) - tokens
+    if pad:
+        hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))
+        index = torch.nn.functional.pad(index, (0, 0, 0, pad), value=num_experts)
+        top_k_weights = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))
+    out = experts_forward_op(hidden_states, index, top_k_weights, gate_up, down)
+    return out[:tokens] if pad else out

@@ -161,3 +161,30 @@ def test_experts_forward_int64_index_matches_op():
     hidden, index, weights, gate_up, down = _experts_inputs()
     out = ragged_dot.experts_forward(_Experts(gate_up, down), hidden, index.long(), weights)
     torch.testing.assert_close(out, torch_ops.experts_forward_op(hidden, index, weights, gate_up, down))
+
+
+def test_token_counts_compile_a_bounded_number_of_variants():
+    """A decode loop over batch sizes 1..64 and a prefill over prompt lengths
+    up to 8192 reach the op as at most 16 shapes (counted in the op's jit
+    cache: 14 power-of-two buckets), and padding does not change results."""
+    e, h, i, k = 8, 64, 32, 2
+    g = torch.Generator().manual_seed(0)
+    module = _Experts(torch.randn(e, 2 * i, h, generator=g) / 8, torch.randn(e, h, i, generator=g) / 8)
+
+    def inputs(tokens):
+        return (torch.randn(tokens, h, generator=g), torch.randint(0, e, (tokens, k), generator=g),
+                torch.rand(tokens, k, generator=g))
+
+    cpu_fn = torch_ops.experts_forward_op._init_fn.cpu_fn
+    before = cpu_fn._cache_size()
+    lengths = list(range(1, 65)) + [100, 127, 129, 500, 1000, 1025, 2047, 3000, 4097, 6000, 8191, 8192]
+    for tokens in lengths:
+        out = ragged_dot.experts_forward(module, *inputs(tokens))
+        assert out.shape == (tokens, h)
+    assert cpu_fn._cache_size() - before <= 16
+
+    for tokens in (3, 1025):  # padded to 4 and 2048: same as the unpadded op
+        hidden, index, weights = inputs(tokens)
+        torch.testing.assert_close(
+            ragged_dot.experts_forward(module, hidden, index, weights),
+            torch_ops.experts_forward_op(hidden, index.int(), weights, module.gate_up_proj, module.down_proj))

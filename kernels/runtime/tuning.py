@@ -41,3 +41,13 @@ def largest_divisor_block(dim: int, preferred: int, quantum: int = 128) -> int:
             return block
         block -= quantum
     return dim
+
+
+def bucket_size(n: int) -> int:
+    """The padded size for a dimension that varies call to call (tokens).
+
+    Powers of two: tokens 1..8192 reach a kernel as 14 shapes, so a decode
+    or prefill loop compiles a bounded number of variants. Padding rows are
+    made free by the caller (routed nowhere, or past sum(group_sizes)).
+    """
+    return 1 << max(0, (n - 1).bit_length())
