@@ -96,16 +96,27 @@ def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs):
         raise ValueError(f"group_sizes has {groups} groups, rhs has {rhs[0]}")
 
 
-def check_experts_shapes(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, down_proj,
+                         up_bias=(0,), down_bias=(0,), *, gated=True, transposed=False):
+    """Shapes of an experts layer: up_proj [E, U, H] (U = 2I gated, else I)
+    and down_proj [E, H, I], or [E, H, U] and [E, I, H] when transposed;
+    biases [E, U] and [E, H], or empty for none."""
     tokens, hidden = _shape_of("hidden_states", hidden_states, 2)
-    experts, two_i, gate_up_hidden = _shape_of("gate_up_proj", gate_up_proj, 3)
+    name = "gate_up_proj" if gated else "up_proj"
+    up = _shape_of(name, up_proj, 3)
     down = _shape_of("down_proj", down_proj, 3)
+    experts, up_out, up_in = (up[0], up[2], up[1]) if transposed else up
+    if up_in != hidden or (gated and up_out % 2):
+        raise ValueError(f"{name} {up} does not fit hidden_states {(tokens, hidden)} (transposed={transposed})")
+    inter = up_out // 2 if gated else up_out
+    want_down = (experts, inter, hidden) if transposed else (experts, hidden, inter)
+    if down != want_down:
+        raise ValueError(f"down_proj {down} should be {want_down}")
+    for bias_name, bias, width in ((name + "_bias", up_bias, up_out), ("down_proj_bias", down_bias, hidden)):
+        if tuple(bias) not in ((0,), (experts, width)):
+            raise ValueError(f"{bias_name} {tuple(bias)} should be {(experts, width)}")
     index = _shape_of("top_k_index", top_k_index, 2)
     weights = _shape_of("top_k_weights", top_k_weights, 2)
-    if gate_up_hidden != hidden or two_i % 2:
-        raise ValueError(f"gate_up_proj {(experts, two_i, gate_up_hidden)} does not fit hidden_states {(tokens, hidden)}")
-    if down != (experts, hidden, two_i // 2):
-        raise ValueError(f"down_proj {down} should be {(experts, hidden, two_i // 2)}")
     if index != weights or index[0] != tokens:
         raise ValueError(f"top_k_index {index} and top_k_weights {weights} must both be [T, k] with T = {tokens}")
 
@@ -143,32 +154,73 @@ def route(top_k_index, num_experts):
     return order, group_sizes.astype(jnp.int32)
 
 
-def experts_forward(
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-    *, generation=None, interpret=None,
-):
-    """Transformers' experts forward (gate_up [E, 2I, H] gate-then-up, down
-    [E, H, I], SiLU, no bias) as two grouped matmuls.
+# Activations by name; the torch layer maps transformers' modules to these.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+}
+# gpt-oss's gate: clamp, then gate * sigmoid(alpha * gate) * (up + 1).
+CLAMPED_SWIGLU = "clamped_swiglu"
 
-    hidden_states [T, H], top_k_index int32 [T, k] (id E: routed to another
-    shard, contributes zero), top_k_weights [T, k]. Returns [T, H].
+
+def apply_gate(h, *, activation, gated, interleaved, alpha, limit):
+    """The expert's nonlinearity on the up projection h (fp32)."""
+    if not gated:
+        return ACTIVATIONS[activation](h)
+    gate, up = (h[:, ::2], h[:, 1::2]) if interleaved else jnp.split(h, 2, axis=-1)
+    if activation == CLAMPED_SWIGLU:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+    return ACTIVATIONS[activation](gate) * up
+
+
+def experts_forward(
+    hidden_states, top_k_index, top_k_weights, up_proj, down_proj, up_bias=None, down_bias=None,
+    *, activation="silu", gated=True, interleaved=False, transposed=False, alpha=0.0, limit=0.0,
+    generation=None, interpret=None,
+):
+    """Transformers' experts forward as two grouped matmuls, for every layout
+    transformers uses.
+
+    hidden_states [T, H]; top_k_index int32 [T, k] (id E: routed to another
+    expert-parallel shard, costs nothing, contributes zero); top_k_weights
+    [T, k]. up_proj is gate_up_proj [E, 2I, H] (gate then up, or interleaved)
+    when gated, else up_proj [E, I, H]; down_proj [E, H, I]; with
+    `transposed` they are [E, H, U] and [E, I, H]. Biases [E, U] and [E, H]
+    (None or empty: no bias). activation: a key of ACTIVATIONS, or
+    CLAMPED_SWIGLU with alpha and limit. Returns [T, H].
     """
-    check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape,
-                         gate_up_proj.shape, down_proj.shape)
+    up_bias = None if up_bias is None or up_bias.size == 0 else up_bias
+    down_bias = None if down_bias is None or down_bias.size == 0 else down_bias
+    check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up_proj.shape,
+                         down_proj.shape, (0,) if up_bias is None else up_bias.shape,
+                         (0,) if down_bias is None else down_bias.shape, gated=gated, transposed=transposed)
+    if activation != CLAMPED_SWIGLU and activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)} and {CLAMPED_SWIGLU!r}")
     generation, interpret = _resolve(generation, interpret)
     num_tokens, top_k = top_k_index.shape
-    num_experts = gate_up_proj.shape[0]
+    num_experts = up_proj.shape[0]
     order, group_sizes = route(top_k_index, num_experts)
-    token_of_row = order // top_k
-    x = hidden_states[token_of_row]
-    gate_up = _ragged_dot(x, gate_up_proj, group_sizes, True, generation, interpret)
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    act = (jax.nn.silu(gate) * up).astype(hidden_states.dtype)
-    y = _ragged_dot(act, down_proj, group_sizes, True, generation, interpret)
-    # Sentinel rows are zero already; zeroing their weight keeps it that way.
-    routed_here = top_k_index.reshape(-1)[order] < num_experts
+    expert_of_row = top_k_index.reshape(-1)[order]
+    routed_here = expert_of_row < num_experts
+    x = hidden_states[order // top_k]
+
+    def project(inputs, weights, bias):
+        out = _ragged_dot(inputs, weights, group_sizes, not transposed, generation, interpret)
+        out = out.astype(jnp.float32)
+        if bias is not None:  # rows routed elsewhere get none: they stay exactly zero
+            out = out + jnp.where(routed_here[:, None], bias[jnp.minimum(expert_of_row, num_experts - 1)], 0)
+        return out
+
+    h = project(x, up_proj, up_bias)
+    act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
+    y = project(act.astype(hidden_states.dtype), down_proj, down_bias)
     weight = jnp.where(routed_here, top_k_weights.reshape(-1)[order].astype(jnp.float32), 0)
-    weighted = y.astype(jnp.float32) * weight[:, None]
+    weighted = y * weight[:, None]
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
     return out.astype(hidden_states.dtype)

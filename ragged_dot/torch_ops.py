@@ -12,9 +12,20 @@ from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
-# Activation modules known to compute x * sigmoid(x), by (module, class):
+# Activation modules we know, by (module, class) -> ops.ACTIVATIONS name;
 # matched by name so importing this kernel does not import transformers.
-SILU_CLASSES = {("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")}
+ACTIVATION_CLASSES = {
+    ("torch.nn.modules.activation", "SiLU"): "silu",
+    ("transformers.activations", "SiLUActivation"): "silu",
+    ("torch.nn.modules.activation", "ReLU"): "relu",
+    ("transformers.activations", "ReLUSquaredActivation"): "relu2",
+    ("transformers.activations", "GELUTanh"): "gelu_tanh",
+    ("transformers.activations", "PytorchGELUTanh"): "gelu_tanh",
+    ("transformers.activations", "GELUActivation"): "gelu",
+}
+# Experts classes whose own _apply_gate we implement: qualname -> (gate, attributes read).
+CUSTOM_GATES = {"GptOssExperts._apply_gate": (ops.CLAMPED_SWIGLU, ("alpha", "limit"))}
+DEFAULT_GATE = ("transformers.integrations.moe", "_default_apply_gate")
 
 
 def _ragged_dot_jax(
@@ -29,15 +40,24 @@ def _experts_forward_jax(
     hidden_states: jax.Array,
     top_k_index: jax.Array,
     top_k_weights: jax.Array,
-    gate_up_proj: jax.Array,
+    up_proj: jax.Array,
     down_proj: jax.Array,
+    up_bias: jax.Array,
+    down_bias: jax.Array,
+    activation: str,
+    gated: bool,
+    interleaved: bool,
+    transposed: bool,
+    alpha: float,
+    limit: float,
     *,
     interpret,
     generation,
 ) -> jax.Array:
     return ops.experts_forward(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-        generation=generation, interpret=interpret,
+        hidden_states, top_k_index, top_k_weights, up_proj, down_proj, up_bias, down_bias,
+        activation=activation, gated=gated, interleaved=interleaved, transposed=transposed,
+        alpha=alpha, limit=limit, generation=generation, interpret=interpret,
     )
 
 
@@ -47,7 +67,7 @@ ragged_dot_op = jax_custom_op(
 experts_forward_op = jax_custom_op(
     f"{OP_NAMESPACE}::experts_forward",
     _experts_forward_jax,
-    differentiable=("hidden_states", "top_k_weights", "gate_up_proj", "down_proj"),
+    differentiable=("hidden_states", "top_k_weights", "up_proj", "down_proj", "up_bias", "down_bias"),
 )
 
 
@@ -95,46 +115,61 @@ def ragged_dot(
 
 
 def _unsupported(self, what):
-    return NotImplementedError(
-        f"ragged-dot-tpu experts_forward does not support {type(self).__name__} with {what}; "
-        "supported: gate_up_proj [E, 2I, H] (gate then up), down_proj [E, H, I], SiLU, no bias"
-    )
+    return NotImplementedError(f"ragged-dot-tpu experts_forward does not support {type(self).__name__} with {what}")
+
+
+def _experts_layout(self) -> dict:
+    """The static description of an experts module, read from the flags and
+    tensors transformers' `use_experts_implementation` sets."""
+    if getattr(self, "has_post_expert_norm", False):
+        raise _unsupported(self, "has_post_expert_norm=True")
+    gated = getattr(self, "has_gate", True)
+    layout = dict(gated=gated, interleaved=not getattr(self, "is_concatenated", True),
+                  transposed=getattr(self, "is_transposed", False), alpha=0.0, limit=0.0)
+    gate = getattr(type(self), "_apply_gate", None)
+    if gated and gate is not None and (gate.__module__, gate.__qualname__) != DEFAULT_GATE:
+        if gate.__qualname__ not in CUSTOM_GATES:
+            raise _unsupported(self, f"its own gate {gate.__qualname__}")
+        layout["activation"], attributes = CUSTOM_GATES[gate.__qualname__]
+        layout.update({name: float(getattr(self, name)) for name in attributes})
+        return layout
+    act = getattr(self, "act_fn", None)
+    key = (type(act).__module__, type(act).__name__)
+    if key not in ACTIVATION_CLASSES:
+        raise _unsupported(self, f"activation {type(act).__name__} (known: {sorted({c for _, c in ACTIVATION_CLASSES})})")
+    layout["activation"] = ACTIVATION_CLASSES[key]
+    return layout
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The transformers experts forward; register it with
     `ALL_EXPERTS_FUNCTIONS.register(name, kernel.experts_forward)`.
 
-    Layout: gate_up_proj [E, 2I, H] (gate then up), down_proj [E, H, I],
-    SiLU, no bias (Qwen3-MoE, Mixtral, OLMoE, Qwen3.5-MoE). Expert id E in
+    Reads the layout from the module: gate_up_proj (gate then up, or
+    interleaved) or up_proj without a gate, transposed or not, optional
+    biases, its activation or gpt-oss's clamped SwiGLU. Expert id E in
     top_k_index marks a token routed to another expert-parallel shard; it
-    contributes zero. One op per layer, differentiable.
+    costs nothing and contributes zero. One op per layer, differentiable.
     """
-    if not getattr(self, "has_gate", True):
-        raise _unsupported(self, "has_gate=False")
+    layout = _experts_layout(self)
+    up_name = "gate_up_proj" if layout["gated"] else "up_proj"
+    up, down = getattr(self, up_name), self.down_proj
     if getattr(self, "has_bias", False):
-        raise _unsupported(self, "has_bias=True")
-    if getattr(self, "is_transposed", False):
-        raise _unsupported(self, "is_transposed=True")
-    if not getattr(self, "is_concatenated", True):
-        raise _unsupported(self, "interleaved gate/up (is_concatenated=False)")
-    act = getattr(self, "act_fn", None)
-    if (type(act).__module__, type(act).__name__) not in SILU_CLASSES:
-        raise _unsupported(self, f"activation {type(act).__name__}")
-    gate_up, down = self.gate_up_proj, self.down_proj
-    _check_tensor("hidden_states", hidden_states)
-    _check_tensor("gate_up_proj", gate_up)
-    _check_tensor("down_proj", down)
-    _check_tensor("top_k_weights", top_k_weights, dtypes=FLOAT_DTYPES + (torch.float16,))
-    _check_tensor("top_k_index", top_k_index, dtypes=None)
-    ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, gate_up.shape, down.shape)
-    num_experts = gate_up.shape[0]
-    _check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
-                       gate_up_proj=gate_up, down_proj=down)
-    if gate_up.dtype != hidden_states.dtype or down.dtype != hidden_states.dtype:
-        raise TypeError(
-            f"expert weights ({gate_up.dtype}, {down.dtype}) must match hidden_states' dtype {hidden_states.dtype}"
-        )
+        up_bias, down_bias = getattr(self, up_name + "_bias"), self.down_proj_bias
+    else:
+        up_bias = down_bias = up.new_empty(0)
+    tensors = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights,
+               up_name: up, "down_proj": down, up_name + "_bias": up_bias, "down_proj_bias": down_bias}
+    for name, tensor in tensors.items():
+        dtypes = {"top_k_index": None, "top_k_weights": FLOAT_DTYPES + (torch.float16,)}.get(name, FLOAT_DTYPES)
+        _check_tensor(name, tensor, dtypes)
+    ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up.shape, down.shape,
+                             up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"])
+    _check_same_device(**tensors)
+    for name in (up_name, "down_proj", up_name + "_bias", "down_proj_bias"):
+        if tensors[name].dtype != hidden_states.dtype:
+            raise TypeError(f"{name} dtype {tensors[name].dtype} must match hidden_states' dtype {hidden_states.dtype}")
+    num_experts = up.shape[0]
     index = as_int32_index(top_k_index, "top_k_index", 0, num_experts)
     # Pad tokens to a bucket (bounded compiles). Padding tokens are routed to
     # the sentinel expert with weight 0: the kernel spends no matmul on them.
@@ -144,5 +179,9 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))
         index = torch.nn.functional.pad(index, (0, 0, 0, pad), value=num_experts)
         top_k_weights = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))
-    out = experts_forward_op(hidden_states, index, top_k_weights, gate_up, down)
+    out = experts_forward_op(
+        hidden_states, index, top_k_weights, up, down, up_bias, down_bias,
+        layout["activation"], layout["gated"], layout["interleaved"], layout["transposed"],
+        layout["alpha"], layout["limit"],
+    )
     return out[:tokens] if pad else out

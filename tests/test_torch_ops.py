@@ -28,27 +28,35 @@ def _experts_inputs(requires_grad=False):
     return hidden, index, weights, gate_up, down
 
 
+SILU_LAYOUT = ("silu", True, False, False, 0.0, 0.0)  # activation, gated, interleaved, transposed, alpha, limit
+
+
+def _experts_op_args(hidden, index, weights, gate_up, down):
+    """The experts op's arguments for the common layout (no bias, SiLU)."""
+    return (hidden, index, weights, gate_up, down, gate_up.new_empty(0), down.new_empty(0), *SILU_LAYOUT)
+
+
 def test_opcheck_ragged_dot():
     lhs, rhs, gs = _ragged_inputs(requires_grad=True)
     torch.library.opcheck(torch_ops.ragged_dot_op, (lhs, rhs, gs, True))
 
 
 def test_opcheck_experts_forward():
-    torch.library.opcheck(torch_ops.experts_forward_op, _experts_inputs(requires_grad=True))
+    torch.library.opcheck(torch_ops.experts_forward_op, _experts_op_args(*_experts_inputs(requires_grad=True)))
 
 
 def test_torch_compile_fullgraph_matches_eager():
     lhs, rhs, gs = _ragged_inputs()
     compiled = torch.compile(lambda a, b, c: torch_ops.ragged_dot_op(a, b, c, True) * 2, fullgraph=True)
     torch.testing.assert_close(compiled(lhs, rhs, gs), torch_ops.ragged_dot_op(lhs, rhs, gs, True) * 2)
-    args = _experts_inputs()
+    args = _experts_op_args(*_experts_inputs())
     compiled = torch.compile(torch_ops.experts_forward_op, fullgraph=True)
     torch.testing.assert_close(compiled(*args), torch_ops.experts_forward_op(*args))
 
 
 def test_experts_forward_sentinel_contributes_zero():
     hidden, index, weights, gate_up, down = _experts_inputs()
-    out = torch_ops.experts_forward_op(hidden, index, weights, gate_up, down)
+    out = torch_ops.experts_forward_op(*_experts_op_args(hidden, index, weights, gate_up, down))
     # Reference: dense per-slot loop, skipping the sentinel id.
     want = torch.zeros_like(hidden)
     for t in range(hidden.shape[0]):
@@ -64,7 +72,7 @@ def test_experts_forward_sentinel_contributes_zero():
 
 OPS_AND_ARGS = {
     "ragged_dot": (torch_ops.ragged_dot_op, lambda: (*_ragged_inputs(), True)),
-    "experts_forward": (torch_ops.experts_forward_op, _experts_inputs),
+    "experts_forward": (torch_ops.experts_forward_op, lambda: _experts_op_args(*_experts_inputs())),
 }
 
 
@@ -128,28 +136,38 @@ class _Experts(torch.nn.Module):
         self.gate_up_proj, self.down_proj = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
         self.act_fn = torch.nn.SiLU()
         self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
+        self.has_post_expert_norm = False
         for key, value in flags.items():
             setattr(self, key, value)
 
 
+class _OwnGate(_Experts):
+    def _apply_gate(self, gate_up):
+        return gate_up[:, : gate_up.shape[1] // 2]
+
+
 BAD_EXPERTS = [
-    (dict(has_bias=True), {}, NotImplementedError, "has_bias=True"),
-    (dict(is_transposed=True), {}, NotImplementedError, "is_transposed=True"),
-    (dict(has_gate=False), {}, NotImplementedError, "has_gate=False"),
+    (dict(has_post_expert_norm=True), {}, NotImplementedError, "has_post_expert_norm=True"),
     (dict(act_fn=torch.nn.GELU()), {}, NotImplementedError, "activation GELU"),
+    (dict(act_fn=torch.nn.Tanh()), {}, NotImplementedError, "activation Tanh"),
+    (dict(cls=_OwnGate), {}, NotImplementedError, "_OwnGate with its own gate _OwnGate._apply_gate"),
+    (dict(has_bias=True, gate_up_proj_bias=torch.zeros(4, 7), down_proj_bias=torch.zeros(4, 128)), {},
+     ValueError, r"gate_up_proj_bias \(4, 7\) should be \(4, 256\)"),
+    (dict(is_transposed=True), {}, ValueError, "does not fit hidden_states"),
     ({}, dict(index=lambda i: i + 5), ValueError, "top_k_index values must lie in"),
     ({}, dict(index=lambda i: i - 1 - i.abs()), ValueError, "top_k_index values must lie in"),
     ({}, dict(index=lambda i: i.float()), TypeError, "top_k_index must be int32 or int64"),
     ({}, dict(weights=lambda w: w[:, :1]), ValueError, "must both be"),
     ({}, dict(hidden=lambda h: h[:, :64]), ValueError, "does not fit hidden_states"),
     ({}, dict(hidden=lambda h: h.bfloat16()), TypeError, "must match hidden_states' dtype"),
+    ({}, dict(hidden=lambda h: h[0]), ValueError, "hidden_states must have 2 dims"),
 ]
 
 
 @pytest.mark.parametrize("flags,edits,error,message", BAD_EXPERTS, ids=[b[3] for b in BAD_EXPERTS])
 def test_experts_forward_bad_input(flags, edits, error, message):
     hidden, index, weights, gate_up, down = _experts_inputs()
-    module = _Experts(gate_up, down, **flags)
+    module = flags.pop("cls", _Experts)(gate_up, down, **flags)
     hidden = edits.get("hidden", lambda x: x)(hidden)
     index = edits.get("index", lambda x: x)(index)
     weights = edits.get("weights", lambda x: x)(weights)
@@ -160,7 +178,7 @@ def test_experts_forward_bad_input(flags, edits, error, message):
 def test_experts_forward_int64_index_matches_op():
     hidden, index, weights, gate_up, down = _experts_inputs()
     out = ragged_dot.experts_forward(_Experts(gate_up, down), hidden, index.long(), weights)
-    torch.testing.assert_close(out, torch_ops.experts_forward_op(hidden, index, weights, gate_up, down))
+    torch.testing.assert_close(out, torch_ops.experts_forward_op(*_experts_op_args(hidden, index, weights, gate_up, down)))
 
 
 def test_token_counts_compile_a_bounded_number_of_variants():
@@ -187,4 +205,5 @@ def test_token_counts_compile_a_bounded_number_of_variants():
         hidden, index, weights = inputs(tokens)
         torch.testing.assert_close(
             ragged_dot.experts_forward(module, hidden, index, weights),
-            torch_ops.experts_forward_op(hidden, index.int(), weights, module.gate_up_proj, module.down_proj))
+            torch_ops.experts_forward_op(*_experts_op_args(hidden, index.int(), weights, module.gate_up_proj,
+                                                           module.down_proj)))
