@@ -1,62 +1,122 @@
-"""Tiny random-weight transformers MoE models: our experts implementation
-against eager, logits and greedy tokens."""
+"""Tiny random-weight transformers MoE models of every family our experts
+forward serves: its logits, greedy tokens and parameter gradients against
+the eager experts implementation."""
+
+import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+import transformers
+from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import ragged_dot
 
 IMPL = "ragged_dot_tpu_test"
-ALL_EXPERTS_FUNCTIONS.register(IMPL, ragged_dot.experts_forward)
+CALLS = []
 
-COMMON = dict(
-    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=False,
-)
-CONFIGS = {
-    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, num_experts=8, moe_intermediate_size=32,
-                                        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
-    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=8, intermediate_size=32),
+
+def _counted_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    CALLS.append(type(self).__name__)
+    return ragged_dot.experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+ALL_EXPERTS_FUNCTIONS.register(IMPL, _counted_experts_forward)
+
+BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, tie_word_embeddings=False)
+ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+TWO_LAYER_TYPES = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+# Config class name -> kwargs, found to build tiny models whose every MoE
+# layer uses transformers' experts interface.
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(BASE, **ATTENTION, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])),
+    "mixtral": ("MixtralConfig", dict(BASE, **ATTENTION, num_local_experts=8, num_experts_per_tok=2,
+                                      intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", dict(BASE, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                                  num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1)),
+    "gemma4": ("Gemma4TextConfig", dict(BASE, **ATTENTION, **TWO_LAYER_TYPES, intermediate_size=32,
+                                        global_head_dim=16, hidden_activation="gelu_pytorch_tanh",
+                                        enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                        moe_intermediate_size=32, hidden_size_per_layer_input=0,
+                                        vocab_size_per_layer_input=128, max_position_embeddings=256)),
+    "gpt_oss": ("GptOssConfig", dict(BASE, **ATTENTION, **TWO_LAYER_TYPES, intermediate_size=32,
+                                     num_local_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", dict(BASE, intermediate_size=32, moe_intermediate_size=32,
+                                             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                             first_k_dense_replace=0, q_lora_rank=32, kv_lora_rank=16,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                             max_position_embeddings=256)),
+    "nemotron_h": ("NemotronHConfig", dict(hidden_size=64, vocab_size=128, tie_word_embeddings=False,
+                                           layers_block_type=["full_attention", "moe"], **ATTENTION,
+                                           intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                                           n_group=1, topk_group=1, max_position_embeddings=256)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(BASE, **ATTENTION, num_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                                 layer_types=["full_attention", "full_attention"],
+                                                 max_position_embeddings=256)),
 }
 
 
-def _model(name, impl, dtype):
+def _models(family, dtype=torch.float32):
+    """(ours, eager): one random model, copied, differing only in experts
+    implementation. Biases are randomised (transformers inits them to 0)."""
+    config_class, kwargs = FAMILIES[family]
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype, experts_implementation=impl).eval()
+    ours = AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs), dtype=dtype,
+                                            experts_implementation=IMPL).eval()
+    experts = [m for m in ours.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+    assert experts, f"{family}: no experts module"
+    with torch.no_grad():
+        for module in experts:
+            for name, param in module.named_parameters():
+                if name.endswith("_bias"):
+                    param.normal_(0, 0.1)
+    eager = copy.deepcopy(ours)
+    eager.set_experts_implementation("eager")
+    return ours, eager, len(experts)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_and_greedy_tokens_match_eager_fp32(name):
-    ours, eager = _model(name, IMPL, torch.float32), _model(name, "eager", torch.float32)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_greedy_tokens_match_eager_fp32(family):
+    ours, eager, num_experts_modules = _models(family)
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    CALLS.clear()
     with torch.no_grad():
         diff = (ours(ids).logits - eager(ids).logits).abs().max().item()
+        assert len(CALLS) == num_experts_modules, "our experts forward must serve every MoE layer"
         # fp32 end to end; only summation order differs from eager.
         assert diff < 1e-4, diff
         kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(ids[:1], **kwargs), eager.generate(ids[:1], **kwargs))
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "nemotron_h", "qwen3_moe"])
+def test_parameter_gradients_match_eager(family):
+    ours, eager, _ = _models(family)
+    ours.train(), eager.train()
+    ids = torch.randint(2, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    for model in (ours, eager):
+        model(ids, labels=ids).loss.backward()
+    for (name, p), (_, q) in zip(ours.named_parameters(), eager.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, name
+        # fp32; 1e-4 relative to the largest gradient of the tensor.
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-4 * max(1.0, q.grad.abs().max().item()),
+                                   msg=name)
+
+
 def test_bf16_model_close_to_fp32_eager():
-    """bf16 weights and activations: compare against eager run on the same
-    bf16 weights in fp32; the error is bf16 rounding of activations through
-    two layers, so a loose 5e-2 relative bound, far below a wrong answer (~1)."""
-    ours = _model("mixtral", IMPL, torch.bfloat16)
-    eager = _model("mixtral", "eager", torch.bfloat16).float()
+    """bf16 weights and activations against eager run in fp32 on the same
+    weights: the error is bf16 rounding through two layers, bounded loosely
+    (5e-2 of the logits' scale), far below a wrong answer (order 1)."""
+    ours, eager, _ = _models("mixtral", torch.bfloat16)
+    eager = eager.float()
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got, want = ours(ids).logits.float(), eager(ids).logits
     assert (got - want).abs().max().item() < 5e-2 * want.abs().max().item()
-
-
-def test_parameter_gradients_match_eager():
-    ours, eager = _model("qwen3_moe", IMPL, torch.float32), _model("qwen3_moe", "eager", torch.float32)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
-    for model in (ours, eager):
-        model(ids, labels=ids).loss.backward()
-    for (name, p), (_, q) in zip(ours.named_parameters(), eager.named_parameters()):
-        assert p.grad is not None, name
-        scale = max(1e-6, q.grad.abs().max().item())
-        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(1.0, scale), name
