@@ -3,6 +3,7 @@ PYTHON_BIN ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: demo test build bench publish venv clean
 
@@ -11,6 +12,10 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install --quiet -r requirements-bench.txt
+	touch $(BENCH_STAMP)
 
 venv: $(STAMP)
 
@@ -23,7 +28,7 @@ test: $(STAMP)
 build: $(STAMP)
 	$(PY) kernels/build.py
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	$(PY) bench/bench.py $(BENCH_ARGS)
 
 publish: $(STAMP)

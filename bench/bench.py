@@ -41,9 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.generations import GENERATIONS  # noqa: E402
+from runtime.generations import GENERATIONS, STEP_OVERHEAD_S  # noqa: E402
 
-STEP_OVERHEAD_S = 0.35e-6  # per grid step (DESIGN.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,22 +79,67 @@ def matmuls(shape: MoeShape):
     return [("gate_up", shape.hidden, 2 * shape.intermediate), ("down", shape.intermediate, shape.hidden)]
 
 
-def implementations(generation: str, rows: int, k: int, n: int, groups: int):
-    """name -> (function(lhs, rhs, group_sizes), vmem limit in bytes)."""
-    from ragged_dot import kernel, ops
+# The three grouped matmuls of a training step for a weight w [G, N, K] and
+# input x [rows, K]: forward y = x w^T, the activations' gradient
+# dx = dy w, and the weights' gradient dw[g] = dy[rows g]^T x[rows g].
+PASSES = ("fwd", "dx", "dw")
 
-    gmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm").gmm
-    blocks = ops.choose_blocks(rows, k, n, groups, generation)
-    ours_tiling = (blocks.block_m, blocks.block_k, blocks.block_n)
-    scoped = GENERATIONS[generation].scoped_vmem_default
+
+def pass_operands(pass_name: str, rows: int, k: int, n: int, groups: int):
+    """Operand shapes of one pass: (lhs, rhs) for fwd/dx, (dy, x) for dw."""
     return {
-        "ours": (lambda l, r, g: ops.ragged_dot(l, r, g, transpose_rhs=True, generation=generation, interpret=False),
-                 kernel._vmem_limit(blocks, 2, jnp.bfloat16), ours_tiling),
-        "megablox 128^3": (lambda l, r, g: gmm(l, r, g, jnp.bfloat16, tiling=(128, 128, 128), transpose_rhs=True),
-                           scoped, (128, 128, 128)),
-        "megablox same tiles": (lambda l, r, g: gmm(l, r, g, jnp.bfloat16, tiling=ours_tiling, transpose_rhs=True),
-                                scoped, ours_tiling),
+        "fwd": ((rows, k), (groups, n, k)),
+        "dx": ((rows, n), (groups, n, k)),
+        "dw": ((rows, n), (rows, k)),
+    }[pass_name]
+
+
+def implementations(pass_name: str, generation: str, rows: int, k: int, n: int, groups: int):
+    """name -> (fn(a, b, group_sizes), vmem limit, tiling, kernel names in
+    libtpu's report). Anchors use megablox's default tiling (128, 128, 128)
+    and ours; tokamax 0.0.12's Mosaic ragged_dot is megablox's kernel run
+    inside an in-kernel pipeline, so its grid cannot be walked: it is
+    compiled (VMEM) and its traffic is that of megablox at the same tiling."""
+    from ragged_dot import ops, tuning
+
+    megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    scoped = GENERATIONS[generation].scoped_vmem_default
+    if pass_name == "dw":
+        blocks = tuning.choose_weight_grad_blocks(rows, n, k, groups, generation)
+        tiling = (blocks.block_m, blocks.block_k, blocks.block_n)
+        limit = tuning.vmem_limit(tuning.weight_grad_buffers(blocks, 2), generation)
+        ours = lambda dy, x, g: ops._weight_grad(dy, x, g, jnp.bfloat16, generation, False)
+        anchor = lambda t: lambda dy, x, g: megablox.tgmm(dy.T, x, g, jnp.bfloat16, tiling=t)
+    else:
+        transpose = pass_name == "fwd"
+        out_k, out_n = (k, n) if transpose else (n, k)
+        blocks = tuning.choose_blocks(rows, out_k, out_n, groups, generation)
+        tiling = (blocks.block_m, blocks.block_k, blocks.block_n)
+        limit = tuning.vmem_limit(tuning.forward_buffers(blocks, 2), generation)
+        ours = lambda x, w, g: ops.ragged_dot(x, w, g, transpose_rhs=transpose, generation=generation,
+                                              interpret=False)
+        anchor = lambda t: lambda x, w, g: megablox.gmm(x, w, g, jnp.bfloat16, tiling=t, transpose_rhs=transpose)
+    impls = {
+        "ours": (ours, limit, tiling),
+        "megablox 128^3": (anchor((128, 128, 128)), scoped, (128, 128, 128)),
+        "megablox ours' tiles": (anchor(tiling), scoped, tiling),
     }
+    if pass_name != "dw":
+        impls["tokamax 128^3"] = (_tokamax(pass_name == "fwd"), scoped, (128, 128, 128))
+    return impls
+
+
+def _tokamax(transpose_rhs: bool):
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2 if transpose_rhs else 1]), ([], [])),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+    def call(x, w, g):
+        import tokamax  # requirements-bench.txt; only needed to compile it
+
+        return tokamax.ragged_dot_general(x, w, g, numbers, implementation="mosaic")
+
+    return call
 
 
 def modeled_seconds(cost, generation: str, parallel_extent: int) -> dict:
@@ -110,7 +154,7 @@ def modeled_seconds(cost, generation: str, parallel_extent: int) -> dict:
             "modeled_us": (max(mxu_s, hbm_s) + steps_s) * 1e6}
 
 
-def bench_one(shape: MoeShape, phase: str, matmul, generation: str, compile_check: bool) -> list[dict]:
+def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: str, compile_check: bool):
     import grid_walk
 
     name, k, n = matmul
@@ -118,29 +162,30 @@ def bench_one(shape: MoeShape, phase: str, matmul, generation: str, compile_chec
     rows = tokens * shape.top_k
     sizes = routing(shape, tokens)
     gen = GENERATIONS[generation]
-    lhs = jnp.zeros((rows, k), jnp.bfloat16)
-    rhs = jnp.zeros((shape.experts, n, k), jnp.bfloat16)
-    group_sizes = jnp.asarray(sizes)
+    a_shape, b_shape = pass_operands(pass_name, rows, k, n, shape.experts)
+    args = (jnp.zeros(a_shape, jnp.bfloat16), jnp.zeros(b_shape, jnp.bfloat16), jnp.asarray(sizes))
     active = int((sizes > 0).sum())
+    out_elems = shape.experts * k * n if pass_name == "dw" else rows * (k if pass_name == "dx" else n)
+    in_elems = rows * (k + n) if pass_name == "dw" else rows * a_shape[1] + active * k * n
     results = []
-    for impl, (fn, vmem_limit, tiling) in implementations(generation, rows, k, n, shape.experts).items():
-        row = dict(model=shape.model, phase=phase, tokens=tokens, matmul=name, generation=generation,
-                   impl=impl, tiling="x".join(map(str, tiling)), rows=rows, K=k, N=n, groups=shape.experts,
-                   active_groups=active, vmem_limit=vmem_limit,
-                   min_bytes=2 * (active * k * n + rows * k + rows * n),
-                   min_flops=2 * rows * k * n)
+    impls = implementations(pass_name, generation, rows, k, n, shape.experts)
+    for impl, (fn, vmem_limit, tiling) in impls.items():
+        row = dict(model=shape.model, phase=phase, tokens=tokens, matmul=name, pass_=pass_name,
+                   generation=generation, impl=impl, tiling="x".join(map(str, tiling)), rows=rows, K=k, N=n,
+                   groups=shape.experts, active_groups=active, vmem_limit=vmem_limit,
+                   min_bytes=2 * (in_elems + out_elems), min_flops=2 * rows * k * n)
+        walked = impl.replace("tokamax", "megablox")  # same kernel and grid (see implementations)
         try:
-            (cost,) = grid_walk.kernel_costs(fn, (lhs, rhs, group_sizes), gen.mxu_width)
+            walk_fn = impls[walked][0] if walked in impls else fn
+            (cost,) = grid_walk.kernel_costs(walk_fn, args, gen.mxu_width)
             row.update(hbm_bytes=cost.hbm_bytes, mxu_flops=cost.mxu_flops, grid=list(cost.grid),
                        grid_steps=cost.grid_steps, **modeled_seconds(cost, generation, cost.grid[0]))
         except Exception as err:  # noqa: BLE001  (a row says what failed)
             row.update(error=f"walk: {str(err).splitlines()[0][:160]}")
         if compile_check:
             try:
-                report = tpu_compile.compile_for(
-                    fn, [((rows, k), jnp.bfloat16), ((shape.experts, n, k), jnp.bfloat16),
-                         ((shape.experts,), jnp.int32)], generation, "")
-                kernels = [r for op, r in report.kernels.items() if "gmm" in op or "ragged_dot" in op]
+                report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], generation, "")
+                kernels = [r for op, r in report.kernels.items() if any(s in op for s in ("gmm", "ragged_dot"))]
                 row.update(compiles=True, vmem_used=max((r.vmem_bytes for r in kernels), default=None),
                            bundles=sum(r.bundles or 0 for r in kernels) or None)
             except Exception as err:  # noqa: BLE001
@@ -151,7 +196,7 @@ def bench_one(shape: MoeShape, phase: str, matmul, generation: str, compile_chec
 
 def ratio_rows(results: list[dict]) -> None:
     """Adds ours / best anchor (modeled time) to our rows."""
-    key = lambda r: (r["model"], r["phase"], r["matmul"], r["generation"])
+    key = lambda r: (r["model"], r["phase"], r["matmul"], r["pass_"], r["generation"])
     best_anchor = {}
     for r in results:
         if r["impl"] != "ours" and "modeled_us" in r:
@@ -159,6 +204,10 @@ def ratio_rows(results: list[dict]) -> None:
     for r in results:
         if r["impl"] == "ours" and "modeled_us" in r and key(r) in best_anchor:
             r["ratio_vs_best_anchor"] = r["modeled_us"] / best_anchor[key(r)]
+        if r["impl"] == "ours" and "modeled_us" in r:
+            gen = GENERATIONS[r["generation"]]
+            bound = max(r["min_flops"] / gen.bf16_flops, r["min_bytes"] / gen.hbm_bytes_per_s) * 1e6
+            r["vs_roofline"] = r["modeled_us"] / bound
 
 
 def write_markdown(results: list[dict], path: Path) -> None:
@@ -172,23 +221,30 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "max(MXU time, HBM time) + 0.35 us per grid step, with DESIGN.md's per-device peak figures.",
         "Routing: uniform random top-k (seed 0). `ratio` = our modeled time / the best anchor's.",
         "",
-        "| model | phase | matmul | gen | impl | tiles m x k x n | compiles | VMEM MiB used / limit "
-        "| HBM MiB | min MiB | MXU GFLOP | grid steps | modeled us | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Passes: fwd y = x w^T; dx = dy w (activations' gradient); dw = dy^T x per group (weights').",
+        "`min MiB`: each input and output once, inactive experts' weights never; `roofline` = our modeled",
+        "time / max(padded-free FLOPs at peak, min bytes at full bandwidth).",
+        "",
+        "| model | phase | matmul | pass | gen | impl | tiles m x k x n | compiles | VMEM MiB used / limit "
+        "| HBM MiB | min MiB | MXU GFLOP | grid steps | modeled us | ratio | roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         compiles = {True: "yes", False: "NO", None: "-"}[r.get("compiles")]
         lines.append(
-            f"| {r['model']} | {r['phase']} ({r['tokens']} tok) | {r['matmul']} | {r['generation']} | {r['impl']} "
+            f"| {r['model']} | {r['phase']} ({r['tokens']} tok) | {r['matmul']} | {r['pass_']} | {r['generation']} "
+            f"| {r['impl']} "
             f"| {r['tiling']} | {compiles} | {mib(r.get('vmem_used'))} / {mib(r['vmem_limit'])} "
             f"| {mib(r.get('hbm_bytes'))} | {mib(r['min_bytes'])} "
             f"| {r.get('mxu_flops', 0) / 1e9:.1f} | {r.get('grid_steps', '-')} "
-            f"| {r.get('modeled_us', float('nan')):.1f} | {r.get('ratio_vs_best_anchor', float('nan')):.2f} |"
+            f"| {r.get('modeled_us', float('nan')):.1f} | {r.get('ratio_vs_best_anchor', float('nan')):.2f} "
+            f"| {r.get('vs_roofline', float('nan')):.2f} |"
         )
     errors = [r for r in results if "error" in r]
     if errors:
         lines += ["", "## Failures", ""]
-        lines += [f"- {r['model']} {r['phase']} {r['matmul']} {r['generation']} {r['impl']}: {r['error']}" for r in errors]
+        lines += [f"- {r['model']} {r['phase']} {r['matmul']} {r['pass_']} {r['generation']} {r['impl']}: {r['error']}"
+                  for r in errors]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -202,17 +258,18 @@ def write_chart(results: list[dict], path: Path) -> None:
     if not ours:
         return
     generations = sorted({r["generation"] for r in ours}, key=list(GENERATIONS).index)
-    cases = sorted({(r["model"], r["phase"], r["matmul"]) for r in ours}, key=str)
+    cases = sorted({(r["model"], r["phase"], r["matmul"], r["pass_"]) for r in ours}, key=str)
     fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.6), 5))
     width = 0.8 / len(generations)
     for i, gen in enumerate(generations):
-        values = {(r["model"], r["phase"], r["matmul"]): r["ratio_vs_best_anchor"] for r in ours if r["generation"] == gen}
+        values = {(r["model"], r["phase"], r["matmul"], r["pass_"]): r["ratio_vs_best_anchor"]
+                  for r in ours if r["generation"] == gen}
         ax.bar([c + i * width for c in range(len(cases))], [values.get(c, np.nan) for c in cases], width, label=gen)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
-    ax.set_xticklabels([f"{m}\n{p} {mm}" for m, p, mm in cases], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("modeled time: ours / best megablox (lower is better)")
-    ax.set_title("ragged_dot vs megablox gmm - MODELED on CPU, not measured on a TPU")
+    ax.set_xticklabels([f"{m}\n{p} {mm} {ps}" for m, p, mm, ps in cases], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("modeled time: ours / best anchor (lower is better)")
+    ax.set_title("ragged_dot vs megablox and tokamax - MODELED on CPU, not measured on a TPU")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -259,10 +316,12 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=[s.model for s in MOE_SHAPES])
     parser.add_argument("--phases", nargs="*", default=list(PHASES), choices=list(PHASES))
     parser.add_argument("--generations", nargs="*", default=list(GENERATIONS), choices=list(GENERATIONS))
+    parser.add_argument("--passes", nargs="*", default=list(PASSES), choices=list(PASSES))
     parser.add_argument("--no-compile", action="store_true", help="skip libtpu compiles (model only)")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     parser.add_argument("--tpu", action="store_true", help="time real runs on a TPU (needs one)")
     args = parser.parse_args(argv)
+    sys.argv = sys.argv[:1]  # tokamax parses absl flags from sys.argv on first use
     shapes = [s for s in MOE_SHAPES if s.model in args.models]
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -271,12 +330,13 @@ def main(argv=None) -> int:
         (args.out / "ragged_dot_tpu_measured.json").write_text(json.dumps(results, indent=1))
         return 0
 
-    cases = [(s, p, m, g) for s in shapes for p in args.phases for m in matmuls(s) for g in args.generations]
+    cases = [(s, p, m, ps, g) for s in shapes for p in args.phases for m in matmuls(s) for ps in args.passes
+             for g in args.generations]
     results, start = [], time.perf_counter()
-    for i, (shape, phase, matmul, generation) in enumerate(cases, 1):
-        print(f"[{i}/{len(cases)}] {shape.model} {phase} {matmul[0]} {generation} "
+    for i, (shape, phase, matmul, pass_name, generation) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {shape.model} {phase} {matmul[0]} {pass_name} {generation} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
-        results += bench_one(shape, phase, matmul, generation, compile_check=not args.no_compile)
+        results += bench_one(shape, phase, matmul, pass_name, generation, compile_check=not args.no_compile)
     ratio_rows(results)
     (args.out / "ragged_dot.json").write_text(json.dumps(results, indent=1))
     write_markdown(results, args.out / "ragged_dot.md")

@@ -21,7 +21,6 @@ the "parallel" axes over two cores, which the time model accounts for.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import jax
@@ -91,8 +90,7 @@ def pallas_calls(fn, *args):
 
 def _grid_points(grid):
     """All grid points in the TPU's iteration order (last axis fastest)."""
-    points = np.array(list(itertools.product(*(range(g) for g in grid))), dtype=np.int32)
-    return points.reshape(-1, len(grid))
+    return np.indices(grid, dtype=np.int32).reshape(len(grid), -1).T
 
 
 def _block_dims(block_mapping):
@@ -118,7 +116,7 @@ def _block_indices(block_mapping, points, prefetch):
         outs = jcore.jaxpr_as_fun(pure)(*point, *prefetch)
         return jnp.stack([jnp.asarray(o, jnp.int32) for o in outs[:num_out]])
 
-    return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(points).T.reshape(len(points[0]), -1).T))
+    return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(points)))
 
 
 def _copy_bytes(block_mapping, indices):

@@ -11,9 +11,8 @@ through scalar prefetch, and drives the block index maps, so:
 - an empty group costs nothing: its weights are never read;
 - consecutive visits to one m tile keep its output block in VMEM, and each
   visit merges its rows into it (the first visit starts from zeros);
-- the grid has a static length (`num_m_tiles + num_groups`, the most visits
-  any routing can need); visits past the real count repeat the last block
-  indices, so they move no data, and skip all work.
+- the visit axis of the grid has a dynamic length, the routing's real
+  visit count (at most `num_m_tiles + num_groups`), so no grid step idles.
 """
 
 from __future__ import annotations
@@ -30,17 +29,20 @@ from jax.experimental.pallas import tpu as pltpu
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     block_m: int  # rows of lhs per tile (multiple of 16 for bf16 packing)
-    block_k: int  # contraction slice per grid step (divides K)
-    block_n: int  # output columns per grid step (divides N)
+    block_k: int  # contraction slice per grid step (multiple of 128, or all of K)
+    block_n: int  # output columns per grid step (multiple of 128, or all of N)
 
 
-def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
+def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int, *, for_weight_grad: bool = False):
     """The (group, m tile) visit list for rows sorted by group.
 
     Args:
       group_sizes: int32 [G], rows per group; their sum is at most num_rows.
       num_rows: M padded to a multiple of block_m.
       block_m: rows per tile.
+      for_weight_grad: the list `transposed_grouped_matmul` walks: every
+        group is visited at least once (an empty group's gradient block must
+        be written, as zeros) and there is no fill group.
 
     Returns int32 arrays, in the order the kernel takes them:
       row_start, row_end [G + 1]: each group's row range; group G is the
@@ -48,18 +50,19 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
       visit_group [V]: the group a visit serves (G for fill).
       visit_tile [V]: the m tile it touches (non-decreasing in the visit).
       weight_group [V]: which rhs block to have in VMEM: the visit's group,
-        or for fill and past-the-end visits the last real group (no DMA).
-      num_visits [1]: how many of the V visits are real.
+        or for fill visits the last real group (no DMA).
+      num_visits [1]: how many of the V = num_tiles + G slots are visits:
+        the kernel's grid length.
     """
     num_groups = group_sizes.shape[0]
     num_tiles = num_rows // block_m
     total = jnp.sum(group_sizes)
-    sizes = jnp.concatenate([group_sizes, (num_rows - total)[None]])
+    sizes = group_sizes if for_weight_grad else jnp.concatenate([group_sizes, (num_rows - total)[None]])
     row_end = jnp.cumsum(sizes)
     row_start = row_end - sizes
-    first_tile = row_start // block_m
+    first_tile = jnp.minimum(row_start // block_m, num_tiles - 1)
     end_tile = (row_end + block_m - 1) // block_m
-    tiles_per_group = jnp.where(sizes > 0, end_tile - first_tile, 0)
+    tiles_per_group = jnp.where(sizes > 0, end_tile - first_tile, 1 if for_weight_grad else 0)
     visit_end = jnp.cumsum(tiles_per_group)  # exclusive end visit of each group
     num_visits = visit_end[-1]
 
@@ -68,7 +71,7 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
     # Past-the-end visits repeat the last real one: same blocks, no DMA.
     clamped = jnp.minimum(visit, jnp.maximum(num_visits - 1, 0))
     visit_group = jnp.searchsorted(visit_end, clamped, side="right").astype(jnp.int32)
-    visit_group = jnp.minimum(visit_group, num_groups)
+    visit_group = jnp.minimum(visit_group, len(sizes) - 1)
     visit_start = visit_end[visit_group] - tiles_per_group[visit_group]
     visit_tile = first_tile[visit_group] + (clamped - visit_start)
 
@@ -93,13 +96,12 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
 def _kernel(
     row_start, row_end, visit_group, visit_tile, weight_group, num_visits,
     lhs_ref, rhs_ref, out_ref, acc_ref,
-    *, num_groups: int, transpose_rhs: bool, precision,
+    *, num_groups: int, transpose_rhs: bool, precision, k_size: int,
 ):
     v, k = pl.program_id(1), pl.program_id(2)
     last_k = pl.num_programs(2) - 1
     group = visit_group[v]
-    is_real_visit = v < num_visits[0]
-    does_matmul = jnp.logical_and(is_real_visit, group < num_groups)
+    does_matmul = group < num_groups  # fill visits only store zeros
 
     @pl.when(k == 0)
     def _():
@@ -108,8 +110,14 @@ def _kernel(
     @pl.when(does_matmul)
     def _():
         contract_rhs = 1 if transpose_rhs else 0
+        lhs, rhs = lhs_ref[...], rhs_ref[...]
+        block_k = lhs.shape[1]
+        if k_size % block_k:  # the last K block runs past K: zero the overhang in both
+            valid = k_size - k * block_k
+            lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
+            rhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, rhs.shape, contract_rhs) < valid, rhs, 0)
         acc_ref[...] += jax.lax.dot_general(
-            lhs_ref[...], rhs_ref[...],
+            lhs, rhs,
             (((1,), (contract_rhs,)), ((), ())),
             preferred_element_type=jnp.float32,
             precision=precision,
@@ -125,7 +133,7 @@ def _kernel(
         # Fill visits never accumulated, so acc is zero there.
         out_ref[...] = jnp.where(mine, acc_ref[...], previous).astype(out_ref.dtype)
 
-    at_store = jnp.logical_and(k == last_k, is_real_visit)
+    at_store = k == last_k
 
     @pl.when(jnp.logical_and(at_store, first_visit_of_tile))
     def _():
@@ -144,9 +152,11 @@ def grouped_matmul(
     blocks: BlockSizes,
     transpose_rhs: bool,
     out_dtype,
+    vmem_limit: int,
     interpret,
 ) -> jax.Array:
-    """The pallas_call. lhs rows must already be a multiple of block_m.
+    """The pallas_call. lhs rows must already be a multiple of block_m; K
+    and N blocks need not divide K and N (edge blocks are masked or clipped).
 
     `interpret` is False on a TPU, True for plain interpret mode, or a
     `pltpu.InterpretParams` for the TPU interpreter (race detection).
@@ -155,23 +165,20 @@ def grouped_matmul(
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
-    assert m % bm == 0 and k % bk == 0 and n % bn == 0, (lhs.shape, rhs.shape, blocks)
-    num_tiles = m // bm
-    max_visits = num_tiles + num_groups
-    k_steps = k // bk
+    assert m % bm == 0, (lhs.shape, blocks)
+    k_steps = pl.cdiv(k, bk)
     prefetch = make_visits(group_sizes, m, bm)
 
-    def k_block(v, kk, visit_group, num_visits):
-        # Visits that do no matmul pin k to the last block, the one the
+    def k_block(v, kk, visit_group):
+        # Fill visits do no matmul: they pin k to the last block, the one the
         # previous visit ended on, so they trigger no new DMA.
-        idle = jnp.logical_or(v >= num_visits[0], visit_group[v] >= num_groups)
-        return jnp.where(idle, k_steps - 1, kk)
+        return jnp.where(visit_group[v] >= num_groups, k_steps - 1, kk)
 
     def lhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
-        return visit_tile[v], k_block(v, kk, visit_group, num_visits)
+        return visit_tile[v], k_block(v, kk, visit_group)
 
     def rhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
-        kb = k_block(v, kk, visit_group, num_visits)
+        kb = k_block(v, kk, visit_group)
         if transpose_rhs:
             return weight_group[v], nn, kb
         return weight_group[v], kb, nn
@@ -191,12 +198,12 @@ def grouped_matmul(
     )
     return pl.pallas_call(
         functools.partial(
-            _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision
+            _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k
         ),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
-            grid=(n // bn, max_visits, k_steps),
+            grid=(pl.cdiv(n, bn), prefetch[-1][0], k_steps),
             in_specs=[
                 pl.BlockSpec((bm, bk), lhs_map),
                 pl.BlockSpec(rhs_block, rhs_map),
@@ -208,7 +215,7 @@ def grouped_matmul(
             # n tiles are independent (v5p splits them over its two cores);
             # visits revisit output tiles and k accumulates: sequential.
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit(blocks, itemsize, out_dtype),
+            vmem_limit_bytes=vmem_limit,
         ),
         cost_estimate=cost,
         interpret=interpret,
@@ -217,13 +224,99 @@ def grouped_matmul(
 
 
 def vmem_bytes(blocks: BlockSizes, itemsize: int, out_dtype) -> int:
-    """VMEM the kernel's buffers take: double-buffered inputs and output, fp32 acc."""
+    """VMEM the forward kernel's buffers take: double-buffered inputs and
+    output, fp32 accumulator. The weights' gradient kernel takes the same
+    with (block_m, block_k, block_n) read as (P block, rows block, Q block)."""
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
     out_item = jnp.dtype(out_dtype).itemsize
     return 2 * (bm * bk + bk * bn) * itemsize + 2 * bm * bn * out_item + bm * bn * 4
 
 
-def _vmem_limit(blocks: BlockSizes, itemsize: int, out_dtype) -> int:
-    # Headroom over our own buffers for Mosaic's internal scratch.
-    need = vmem_bytes(blocks, itemsize, out_dtype)
-    return max(16 << 20, int(need * 1.5) + (4 << 20))
+def _weight_grad_kernel(
+    row_start, row_end, visit_group, visit_tile, weight_group, num_visits,
+    a_ref, b_ref, out_ref, acc_ref, *, precision,
+):
+    v = pl.program_id(2)
+    last_v = pl.num_programs(2) - 1
+    group = visit_group[v]
+    first_of_group = jnp.logical_or(v == 0, visit_group[jnp.maximum(v - 1, 0)] != group)
+    last_of_group = jnp.logical_or(v == last_v, visit_group[jnp.minimum(v + 1, last_v)] != group)
+
+    @pl.when(first_of_group)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(row_end[group] > row_start[group])
+    def _():
+        block_m = a_ref.shape[0]
+        rows = visit_tile[v] * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+        mine = jnp.logical_and(rows >= row_start[group], rows < row_end[group])
+        # Zero other groups' rows in both operands: 0 * inf must not leak in.
+        a = jnp.where(mine, a_ref[...], 0)
+        b = jnp.where(mine, b_ref[...], 0)
+        acc_ref[...] += jax.lax.dot_general(
+            a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )
+
+    @pl.when(last_of_group)
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def transposed_grouped_matmul(
+    a: jax.Array,
+    b: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    blocks: BlockSizes,
+    out_dtype,
+    vmem_limit: int,
+    interpret,
+) -> jax.Array:
+    """out[g] = a[rows of g]^T @ b[rows of g]: [M, P], [M, Q] -> [G, P, Q].
+
+    The weights' gradient of a grouped matmul (megablox calls it tgmm).
+    Grid (P tiles, Q tiles, visits): each output block accumulates over its
+    group's m tiles and is written once, at the group's last visit; empty
+    groups get one visit that writes zeros. Here block_k tiles P and
+    block_n tiles Q; edge blocks past P or Q are clipped on write.
+    """
+    m, p = a.shape
+    q = b.shape[1]
+    num_groups = group_sizes.shape[0]
+    bm, bp, bq = blocks.block_m, blocks.block_k, blocks.block_n
+    assert m % bm == 0 and b.shape[0] == m, (a.shape, b.shape, blocks)
+    prefetch = make_visits(group_sizes, m, bm, for_weight_grad=True)
+
+    def a_map(pp, qq, v, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+        return visit_tile[v], pp
+
+    def b_map(pp, qq, v, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+        return visit_tile[v], qq
+
+    def out_map(pp, qq, v, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+        return visit_group[v], pp, qq
+
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    itemsize = jnp.dtype(a.dtype).itemsize
+    return pl.pallas_call(
+        functools.partial(_weight_grad_kernel, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((num_groups, p, q), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(pl.cdiv(p, bp), pl.cdiv(q, bq), prefetch[-1][0]),
+            in_specs=[pl.BlockSpec((bm, bp), a_map), pl.BlockSpec((bm, bq), b_map)],
+            out_specs=pl.BlockSpec((None, bp, bq), out_map),
+            scratch_shapes=[pltpu.VMEM((bp, bq), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit,
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m * p * q, transcendentals=0,
+            bytes_accessed=(m * p + m * q) * itemsize + num_groups * p * q * jnp.dtype(out_dtype).itemsize,
+        ),
+        interpret=interpret,
+        name="ragged_dot_tpu_weight_grad",
+    )(*prefetch, a, b)

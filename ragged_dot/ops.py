@@ -1,9 +1,8 @@
 """The JAX functions behind the torch ops; JAX users can call them directly.
 
 `ragged_dot` is differentiable (`jax.custom_vjp`): the activations'
-gradient is the same Pallas kernel with the weights' layout flipped; the
-weights' gradient is, for now, XLA's ragged dot with a ragged contracting
-dimension (the Pallas `tgmm` kernel is issue 3).
+gradient is the same Pallas kernel with the weights' layout flipped, the
+weights' gradient the transposed grouped matmul kernel.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ import jax.numpy as jnp
 
 from ._shared.generations import current_generation
 from ._shared.tuning import round_up
-from .kernel import grouped_matmul
-from .tuning import choose_blocks
+from .kernel import grouped_matmul, transposed_grouped_matmul
+from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
 
 
 def default_interpret():
@@ -36,12 +35,13 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret):
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
-    blocks = choose_blocks(m, k, n, num_groups, generation)
+    itemsize = jnp.dtype(lhs.dtype).itemsize
+    blocks = choose_blocks(m, k, n, num_groups, generation, itemsize)
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
     out = grouped_matmul(
-        lhs_padded, rhs, group_sizes.astype(jnp.int32),
-        blocks=blocks, transpose_rhs=transpose_rhs, out_dtype=lhs.dtype, interpret=interpret,
+        lhs_padded, rhs, group_sizes.astype(jnp.int32), blocks=blocks, transpose_rhs=transpose_rhs,
+        out_dtype=lhs.dtype, vmem_limit=vmem_limit(forward_buffers(blocks, itemsize), generation), interpret=interpret,
     )
     return out[:m]
 
@@ -63,16 +63,25 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, residuals, grad_out):
     grad_lhs = _forward(grad_out, rhs, group_sizes, not transpose_rhs, generation, interpret)
     # d rhs[g] = lhs[rows of g]^T @ grad_out[rows] (or its transpose).
     a, b = (grad_out, lhs) if transpose_rhs else (lhs, grad_out)
-    grad_rhs = jax.lax.ragged_dot_general(
-        a, b, group_sizes.astype(jnp.int32),
-        jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(((0,), (0,)), ((), ())),
-            lhs_ragged_dimensions=[0],
-            rhs_group_dimensions=[],
-        ),
-        preferred_element_type=jnp.float32,
-    ).astype(rhs.dtype)
+    grad_rhs = _weight_grad(a, b, group_sizes, rhs.dtype, generation, interpret)
     return grad_lhs, grad_rhs, None
+
+
+def _weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
+    """[M, P], [M, Q] -> [G, P, Q]: per group, a[rows]^T @ b[rows]."""
+    m, p = a.shape
+    q = b.shape[1]
+    num_groups = group_sizes.shape[0]
+    if m == 0:
+        return jnp.zeros((num_groups, p, q), out_dtype)
+    itemsize = jnp.dtype(a.dtype).itemsize
+    blocks = choose_weight_grad_blocks(m, p, q, num_groups, generation, itemsize)
+    padded = round_up(m, blocks.block_m)
+    pad = lambda x: jnp.pad(x, ((0, padded - m), (0, 0))) if padded != m else x
+    return transposed_grouped_matmul(
+        pad(a), pad(b), group_sizes.astype(jnp.int32), blocks=blocks, out_dtype=out_dtype,
+        vmem_limit=vmem_limit(weight_grad_buffers(blocks, itemsize), generation), interpret=interpret,
+    )
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)

@@ -48,3 +48,12 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
                    precision=jax.lax.Precision.HIGHEST)
     w = jnp.where(valid, top_k_weights.astype(jnp.float32), 0)
     return jnp.sum(y * w[..., None], axis=1).astype(hidden_states.dtype)
+
+
+def weight_grad(a, b, group_sizes, out_dtype=None):
+    """out[g] = a[rows of g]^T @ b[rows of g] ([G, P, Q]), in fp32; empty groups are 0."""
+    groups = row_groups(group_sizes, a.shape[0])
+    one_hot = (groups[:, None] == jnp.arange(group_sizes.shape[0])[None, :]).astype(jnp.float32)
+    out = jnp.einsum("mp,mq,mg->gpq", a.astype(jnp.float32), b.astype(jnp.float32), one_hot,
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(out_dtype or a.dtype)

@@ -55,6 +55,43 @@ def test_forward_matches_fp32_reference(case, transpose_rhs, dtype):
     assert not np.any(np.asarray(out[total:], np.float32)), "rows past sum(group_sizes) must be zero"
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}k{c[1]}n{c[2]}g{len(c[3])}")
+def test_weight_grad_kernel_matches_fp32_reference(case, dtype):
+    """The transposed grouped matmul (weights' gradient): empty groups are
+    exactly zero, every other group a[rows]^T @ b[rows]."""
+    m, k, n, group_sizes = case
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    b = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    out = ops._weight_grad(a, b, gs, dtype, "v6e", True)
+    assert out.shape == (len(group_sizes), k, n) and out.dtype == dtype
+    _assert_close(out, reference.weight_grad(a, b, gs, jnp.float32), dtype)
+    for g, size in enumerate(group_sizes):
+        if size == 0:
+            assert not np.any(np.asarray(out[g], np.float32)), f"empty group {g} must be zeros"
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_blocks_that_do_not_divide_k_and_n(transpose_rhs):
+    """K = 300 and N = 200 in 128-wide blocks: the last K block's overhang
+    is masked out of the sum, the last N block's is clipped on write; the
+    same for the weights' gradient's P and Q edges."""
+    from ragged_dot import kernel
+
+    m, k, n, group_sizes = 64, 300, 200, [10, 0, 40]
+    lhs, rhs, gs = _inputs(m, k, n, group_sizes, jnp.float32, transpose_rhs)
+    blocks = kernel.BlockSizes(16, 128, 128)
+    out = kernel.grouped_matmul(lhs, rhs, gs, blocks=blocks, transpose_rhs=transpose_rhs, out_dtype=jnp.float32,
+                                vmem_limit=32 << 20, interpret=True)
+    _assert_close(out, reference.ragged_dot(lhs, rhs, gs, transpose_rhs=transpose_rhs), jnp.float32)
+    b = jnp.asarray(np.random.default_rng(3).standard_normal((m, n)), jnp.float32)
+    grad = kernel.transposed_grouped_matmul(lhs, b, gs, blocks=blocks, out_dtype=jnp.float32,
+                                            vmem_limit=32 << 20, interpret=True)
+    _assert_close(grad, reference.weight_grad(lhs, b, gs), jnp.float32)
+
+
 def test_matches_jax_lax_ragged_dot():
     lhs, rhs, gs = _inputs(37, 256, 128, [5, 0, 20, 12], jnp.float32, False)
     expected = jax.lax.ragged_dot(lhs, rhs, gs, precision=jax.lax.Precision.HIGHEST)

@@ -12,6 +12,10 @@ import dataclasses
 
 MiB = 1 << 20
 
+# Fixed cost of one Pallas grid step (pipeline bookkeeping, DMA issue), the
+# figure our performance model uses for every generation.
+STEP_OVERHEAD_S = 0.35e-6
+
 
 @dataclasses.dataclass(frozen=True)
 class Generation:

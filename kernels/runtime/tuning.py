@@ -27,22 +27,6 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def largest_divisor_block(dim: int, preferred: int, quantum: int = 128) -> int:
-    """The largest multiple of `quantum` that divides `dim` and is <= preferred.
-
-    Mosaic needs a block's last two dims to be multiples of (8, 128) or the
-    whole dim, and a reduction block must divide its dim exactly (a partial
-    block would add garbage), so when no such multiple exists the whole dim
-    is the block.
-    """
-    block = (min(preferred, dim) // quantum) * quantum
-    while block >= quantum:
-        if dim % block == 0:
-            return block
-        block -= quantum
-    return dim
-
-
 def bucket_size(n: int) -> int:
     """The padded size for a dimension that varies call to call (tokens).
 
