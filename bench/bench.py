@@ -337,9 +337,10 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(cases)}] {shape.model} {phase} {matmul[0]} {pass_name} {generation} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
         results += bench_one(shape, phase, matmul, pass_name, generation, compile_check=not args.no_compile)
-    ratio_rows(results)
-    (args.out / "ragged_dot.json").write_text(json.dumps(results, indent=1))
-    write_markdown(results, args.out / "ragged_dot.md")
+        ratio_rows(results)
+        # Rewritten after every case, so a long run interrupted still leaves a table.
+        (args.out / "ragged_dot.json").write_text(json.dumps(results, indent=1))
+        write_markdown(results, args.out / "ragged_dot.md")
     write_chart(results, args.out / "ragged_dot.png")
     print(f"wrote {args.out / 'ragged_dot.md'} and .png/.json: MODELED figures, not TPU measurements")
     return 0

@@ -63,12 +63,30 @@ def test_weight_grad_no_race_no_out_of_bounds(interpreter, group_sizes):
 QWEN3_30B = dict(hidden=2048, intermediate=768, experts=128, top_k=8)
 
 
+def _experts_specs(tokens, hidden, intermediate, experts, top_k, gpt_oss_layout=False):
+    """(shape, dtype) of experts_forward's inputs; gpt-oss's layout is
+    transposed weights plus biases."""
+    specs = [((tokens, hidden), jnp.bfloat16), ((tokens, top_k), jnp.int32), ((tokens, top_k), jnp.bfloat16)]
+    if gpt_oss_layout:
+        return specs + [((experts, hidden, 2 * intermediate), jnp.bfloat16),
+                        ((experts, intermediate, hidden), jnp.bfloat16),
+                        ((experts, 2 * intermediate), jnp.bfloat16), ((experts, hidden), jnp.bfloat16)]
+    return specs + [((experts, 2 * intermediate, hidden), jnp.bfloat16),
+                    ((experts, hidden, intermediate), jnp.bfloat16)]
+
+
+def _assert_training_kernels_fit(report, generation):
+    names = sorted(report.kernels)
+    assert any("weight_grad" in n for n in names) and len(names) >= 4, names
+    for name, kernel_report in report.kernels.items():
+        assert kernel_report.vmem_bytes <= GENERATIONS[generation].vmem_bytes, (name, kernel_report)
+
+
 @pytest.mark.parametrize("tokens", [64, 8192], ids=["decode64", "prefill8192"])
 @pytest.mark.parametrize("generation", sorted(GENERATIONS))
 def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
     h, i, e, k = (QWEN3_30B[key] for key in ("hidden", "intermediate", "experts", "top_k"))
-    specs = [((tokens, h), jnp.bfloat16), ((tokens, k), jnp.int32), ((tokens, k), jnp.bfloat16),
-             ((e, 2 * i, h), jnp.bfloat16), ((e, h, i), jnp.bfloat16)]
+    specs = _experts_specs(tokens, **QWEN3_30B)
 
     def forward(*args):
         return ops.experts_forward(*args, generation=generation, interpret=False)
@@ -91,20 +109,14 @@ def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
 def test_experts_backward_compiles_and_fits_vmem(generation, tokens):
     """The training step's kernels: forward, activations' gradient (the same
     kernel, layout flipped) and weights' gradient, all compiled together."""
-    h, i, e, k = (QWEN3_30B[key] for key in ("hidden", "intermediate", "experts", "top_k"))
-    specs = [((tokens, h), jnp.bfloat16), ((tokens, k), jnp.int32), ((tokens, k), jnp.bfloat16),
-             ((e, 2 * i, h), jnp.bfloat16), ((e, h, i), jnp.bfloat16)]
 
     def loss(hidden, index, weights, gate_up, down):
         out = ops.experts_forward(hidden, index, weights, gate_up, down, generation=generation, interpret=False)
         return jnp.sum(out.astype(jnp.float32))
 
     grads = jax.grad(loss, argnums=(0, 2, 3, 4))
-    report = tpu_compile.compile_for(grads, specs, generation, "ragged_dot_tpu")
-    names = sorted(report.kernels)
-    assert any("weight_grad" in n for n in names) and len(names) >= 4, names
-    for name, kernel_report in report.kernels.items():
-        assert kernel_report.vmem_bytes <= GENERATIONS[generation].vmem_bytes, (name, kernel_report)
+    _assert_training_kernels_fit(
+        tpu_compile.compile_for(grads, _experts_specs(tokens, **QWEN3_30B), generation, "ragged_dot_tpu"), generation)
 
 
 # Shapes outside every table: hidden 2880 (not a multiple of 128),
@@ -115,10 +127,6 @@ ODD = dict(hidden=2880, intermediate=1408, experts=60, top_k=4)
 @pytest.mark.parametrize("tokens", [37, 3000], ids=["decode37", "prefill3000"])
 @pytest.mark.parametrize("generation", sorted(GENERATIONS))
 def test_odd_shapes_forward_and_backward_compile(generation, tokens):
-    h, i, e, k = (ODD[key] for key in ("hidden", "intermediate", "experts", "top_k"))
-    specs = [((tokens, h), jnp.bfloat16), ((tokens, k), jnp.int32), ((tokens, k), jnp.bfloat16),
-             ((e, h, 2 * i), jnp.bfloat16), ((e, i, h), jnp.bfloat16), ((e, 2 * i), jnp.bfloat16),
-             ((e, h), jnp.bfloat16)]
 
     def loss(hidden, index, weights, up, down, up_bias, down_bias):  # gpt-oss's layout
         out = ops.experts_forward(hidden, index, weights, up, down, up_bias, down_bias,
@@ -126,8 +134,6 @@ def test_odd_shapes_forward_and_backward_compile(generation, tokens):
                                   alpha=1.702, limit=7.0, generation=generation, interpret=False)
         return jnp.sum(out.astype(jnp.float32))
 
-    report = tpu_compile.compile_for(jax.grad(loss, argnums=(0, 3, 4, 5, 6)), specs, generation, "ragged_dot_tpu")
-    names = sorted(report.kernels)
-    assert any("weight_grad" in n for n in names) and len(names) >= 4, names
-    for name, kernel_report in report.kernels.items():
-        assert kernel_report.vmem_bytes <= GENERATIONS[generation].vmem_bytes, (name, kernel_report)
+    specs = _experts_specs(tokens, **ODD, gpt_oss_layout=True)
+    grads = jax.grad(loss, argnums=(0, 3, 4, 5, 6))
+    _assert_training_kernels_fit(tpu_compile.compile_for(grads, specs, generation, "ragged_dot_tpu"), generation)

@@ -207,3 +207,12 @@ def test_token_counts_compile_a_bounded_number_of_variants():
             ragged_dot.experts_forward(module, hidden, index, weights),
             torch_ops.experts_forward_op(*_experts_op_args(hidden, index.int(), weights, module.gate_up_proj,
                                                            module.down_proj)))
+
+
+def test_nan_routing_weight_propagates_to_its_token_only():
+    hidden, index, weights, gate_up, down = _experts_inputs()
+    index = index.clamp(max=gate_up.shape[0] - 1)  # every slot routed here
+    weights[2, 1] = float("nan")
+    out = ragged_dot.experts_forward(_Experts(gate_up, down), hidden, index, weights)
+    assert torch.isnan(out[2]).all(), "a NaN routing weight must not be hidden"
+    assert not torch.isnan(out[torch.arange(len(out)) != 2]).any()
