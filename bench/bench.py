@@ -64,7 +64,9 @@ MOE_SHAPES = [
     MoeShape("gpt-oss-120b", 2880, 2880, 128, 4),
     MoeShape("DeepSeek-V3", 7168, 2048, 256, 8),
 ]
-PHASES = {"decode": 64, "prefill": 8192}  # tokens per step
+# Tokens per step. "small-decode": few rows per active expert (the decode
+# bytes goal's regime); "decode": 64 sequences.
+PHASES = {"small-decode": 16, "decode": 64, "prefill": 8192}
 
 
 def routing(shape: MoeShape, tokens: int, seed: int = 0) -> np.ndarray:
@@ -240,12 +242,38 @@ def write_markdown(results: list[dict], path: Path) -> None:
             f"| {r.get('modeled_us', float('nan')):.1f} | {r.get('ratio_vs_best_anchor', float('nan')):.2f} "
             f"| {r.get('vs_roofline', float('nan')):.2f} |"
         )
+    lines += ["", "## Goals", ""] + goal_lines(results)
     errors = [r for r in results if "error" in r]
     if errors:
         lines += ["", "## Failures", ""]
         lines += [f"- {r['model']} {r['phase']} {r['matmul']} {r['pass_']} {r['generation']} {r['impl']}: {r['error']}"
                   for r in errors]
     path.write_text("\n".join(lines) + "\n")
+
+
+def goal_lines(results: list[dict]) -> list[str]:
+    """Each performance goal (issue 3), met or the rows where it is not."""
+    ours = [r for r in results if r["impl"] == "ours" and "modeled_us" in r]
+    name = lambda r: f"{r['model']} {r['phase']} ({r['rows']} rows, {r['active_groups']} active) {r['matmul']} " \
+        f"{r['pass_']} {r['generation']}"
+    goals = [
+        ("modeled time <= best anchor (v6e, tpu7x)",
+         [r for r in ours if r["generation"] in ("v6e", "tpu7x")],
+         lambda r: r.get("ratio_vs_best_anchor", 0) <= 1.0 + 1e-9, lambda r: f"{r.get('ratio_vs_best_anchor'):.3f}"),
+        ("decode, <= 4 rows per active expert: HBM bytes <= 1.1x minimum",
+         [r for r in ours if r["phase"] == "decode" and r["rows"] <= 4 * r["active_groups"]],
+         lambda r: r["hbm_bytes"] <= 1.1 * r["min_bytes"], lambda r: f"{r['hbm_bytes'] / r['min_bytes']:.3f}x"),
+        ("prefill 8192 tokens: modeled time <= 1.25x roofline",
+         [r for r in ours if r["phase"] == "prefill" and r["tokens"] == 8192],
+         lambda r: r["vs_roofline"] <= 1.25, lambda r: f"{r['vs_roofline']:.2f}x"),
+    ]
+    lines = []
+    for title, rows, ok, value in goals:
+        misses = [r for r in rows if not ok(r)]
+        lines.append(f"- {title}: {len(rows) - len(misses)} of {len(rows)} rows meet it"
+                     + ("." if not misses else "; not met:"))
+        lines += [f"  - {name(r)}: {value(r)}" for r in misses]
+    return lines
 
 
 def write_chart(results: list[dict], path: Path) -> None:
@@ -320,6 +348,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip libtpu compiles (model only)")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     parser.add_argument("--tpu", action="store_true", help="time real runs on a TPU (needs one)")
+    parser.add_argument("--append", action="store_true", help="add to the results already in --out")
     args = parser.parse_args(argv)
     sys.argv = sys.argv[:1]  # tokamax parses absl flags from sys.argv on first use
     shapes = [s for s in MOE_SHAPES if s.model in args.models]
@@ -333,6 +362,10 @@ def main(argv=None) -> int:
     cases = [(s, p, m, ps, g) for s in shapes for p in args.phases for m in matmuls(s) for ps in args.passes
              for g in args.generations]
     results, start = [], time.perf_counter()
+    if args.append and (args.out / "ragged_dot.json").exists():
+        redone = {(s.model, p, ps, g) for s, p, _, ps, g in cases}
+        results = [r for r in json.loads((args.out / "ragged_dot.json").read_text())
+                   if (r["model"], r["phase"], r["pass_"], r["generation"]) not in redone]
     for i, (shape, phase, matmul, pass_name, generation) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {shape.model} {phase} {matmul[0]} {pass_name} {generation} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)

@@ -88,6 +88,13 @@ def pallas_calls(fn, *args):
     return found
 
 
+def _map_points(fn, points, chunk=1 << 16):
+    """jit(vmap(fn)) over the grid points, in chunks to bound memory."""
+    mapped = jax.jit(jax.vmap(fn))
+    return np.concatenate([np.asarray(mapped(jnp.asarray(points[i:i + chunk])))
+                           for i in range(0, len(points), chunk)])
+
+
 def _grid_points(grid):
     """All grid points in the TPU's iteration order (last axis fastest)."""
     return np.indices(grid, dtype=np.int32).reshape(len(grid), -1).T
@@ -116,7 +123,7 @@ def _block_indices(block_mapping, points, prefetch):
         outs = jcore.jaxpr_as_fun(pure)(*point, *prefetch)
         return jnp.stack([jnp.asarray(o, jnp.int32) for o in outs[:num_out]])
 
-    return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(points)))
+    return _map_points(one, points)
 
 
 def _copy_bytes(block_mapping, indices):
@@ -211,7 +218,7 @@ def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
                        for name, axis, _ in grid_inputs]
         return jnp.asarray(pure(*grid_values, *prefetch)[0], jnp.int32)
 
-    return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(points)))
+    return _map_points(one, points)
 
 
 def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:

@@ -26,6 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 
+SUB_M = 128  # rows per MXU pass the forward kernel can skip (see _kernel)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     block_m: int  # rows of lhs per tile (multiple of 16 for bf16 packing)
@@ -107,27 +110,38 @@ def _kernel(
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(does_matmul)
-    def _():
-        contract_rhs = 1 if transpose_rhs else 0
-        lhs, rhs = lhs_ref[...], rhs_ref[...]
-        block_k = lhs.shape[1]
-        if k_size % block_k:  # the last K block runs past K: zero the overhang in both
-            valid = k_size - k * block_k
-            lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
-            rhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, rhs.shape, contract_rhs) < valid, rhs, 0)
-        acc_ref[...] += jax.lax.dot_general(
-            lhs, rhs,
-            (((1,), (contract_rhs,)), ((), ())),
-            preferred_element_type=jnp.float32,
-            precision=precision,
-        )
+    # The tile's rows are multiplied in sub-blocks of SUB_M rows, and a
+    # sub-block holding none of this group's rows is skipped: a visit at a
+    # group boundary costs the MXU at most one partial sub-block, not a
+    # whole tile.
+    block_m = acc_ref.shape[0]
+    sub_m = min(block_m, SUB_M)
+    tile_start = visit_tile[v] * block_m
+    contract_rhs = 1 if transpose_rhs else 0
+    for sub in range(block_m // sub_m):
+        rows = pl.ds(sub * sub_m, sub_m)
+        first_row = tile_start + sub * sub_m
+        overlaps = jnp.logical_and(first_row < row_end[group], first_row + sub_m > row_start[group])
+
+        @pl.when(jnp.logical_and(does_matmul, overlaps))
+        def _():
+            lhs, rhs = lhs_ref[rows, :], rhs_ref[...]
+            block_k = lhs.shape[1]
+            if k_size % block_k:  # the last K block runs past K: zero the overhang in both
+                valid = k_size - k * block_k
+                lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
+                rhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, rhs.shape, contract_rhs) < valid, rhs, 0)
+            acc_ref[rows, :] += jax.lax.dot_general(
+                lhs, rhs,
+                (((1,), (contract_rhs,)), ((), ())),
+                preferred_element_type=jnp.float32,
+                precision=precision,
+            )
 
     tile = visit_tile[v]
     first_visit_of_tile = jnp.logical_or(v == 0, visit_tile[jnp.maximum(v - 1, 0)] != tile)
 
     def store(previous):
-        block_m = acc_ref.shape[0]
         rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
         mine = jnp.logical_and(rows >= row_start[group], rows < row_end[group])
         # Fill visits never accumulated, so acc is zero there.

@@ -14,7 +14,7 @@ import functools
 
 from ._shared.generations import GENERATIONS, STEP_OVERHEAD_S
 from ._shared.tuning import lookup, round_up
-from .kernel import BlockSizes, vmem_bytes
+from .kernel import SUB_M, BlockSizes, vmem_bytes
 
 # (rows, K, N, groups, itemsize) -> BlockSizes, per generation.
 TUNED: dict[str, dict[tuple, BlockSizes]] = {name: {} for name in GENERATIONS}
@@ -51,7 +51,10 @@ def modeled_seconds(rows, k, n, groups, blocks: BlockSizes, generation, itemsize
     # one block; otherwise every visit re-reads them.
     weight_reads = 1 if k_steps == 1 else visits / active
     hbm = itemsize * (active * k * n * weight_reads + visits * bm * k * n_tiles + rows * n)
-    flops = 2 * visits * bm * round_up(bk, gen.mxu_width) * round_up(bn, gen.mxu_width) * k_steps * n_tiles
+    # The kernel skips sub-blocks without the visit's rows: each group
+    # boundary costs at most one extra sub-block of rows.
+    computed_rows = min(visits * bm, rows + active * min(bm, SUB_M))
+    flops = 2 * computed_rows * round_up(bk, gen.mxu_width) * round_up(bn, gen.mxu_width) * k_steps * n_tiles
     steps = n_tiles * (-(-rows // bm) + groups) * k_steps  # the grid's static length
     return _time(gen, flops, hbm, steps, n_tiles)
 

@@ -92,6 +92,20 @@ def test_blocks_that_do_not_divide_k_and_n(transpose_rhs):
     _assert_close(grad, reference.weight_grad(lhs, b, gs), jnp.float32)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_tiles_larger_than_a_sub_block(transpose_rhs):
+    """512-row tiles are multiplied in 128-row sub-blocks, skipping those
+    without the visit's rows: groups starting and ending inside sub-blocks,
+    a group inside one sub-block, empty groups."""
+    from ragged_dot import kernel
+
+    m, k, n, group_sizes = 1024, 256, 128, [5, 300, 0, 7, 500, 130]
+    lhs, rhs, gs = _inputs(m, k, n, group_sizes, jnp.float32, transpose_rhs)
+    out = kernel.grouped_matmul(lhs, rhs, gs, blocks=kernel.BlockSizes(512, 128, 128), transpose_rhs=transpose_rhs,
+                                out_dtype=jnp.float32, vmem_limit=32 << 20, interpret=True)
+    _assert_close(out, reference.ragged_dot(lhs, rhs, gs, transpose_rhs=transpose_rhs), jnp.float32)
+
+
 def test_matches_jax_lax_ragged_dot():
     lhs, rhs, gs = _inputs(37, 256, 128, [5, 0, 20, 12], jnp.float32, False)
     expected = jax.lax.ragged_dot(lhs, rhs, gs, precision=jax.lax.Precision.HIGHEST)

@@ -41,6 +41,22 @@ def test_no_race_no_out_of_bounds(interpreter, group_sizes, transpose_rhs):
     np.testing.assert_allclose(out, want, rtol=0, atol=2**-8 * np.abs(want).max())
 
 
+def test_sub_blocked_tiles_no_race(interpreter):
+    """256-row tiles multiplied in 128-row sub-blocks (some skipped), with a
+    K that does not divide into blocks, under the TPU interpreter."""
+    rng = np.random.default_rng(4)
+    m, k, n, group_sizes = 512, 300, 256, [3, 200, 0, 130, 100]
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((5, n, k)), jnp.bfloat16)
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    out = kernel.grouped_matmul(lhs, rhs, gs, blocks=kernel.BlockSizes(256, 128, 128), transpose_rhs=True,
+                                out_dtype=jnp.bfloat16, vmem_limit=32 << 20, interpret=interpreter)
+    assert tpu_interpreter.races.races_found is False
+    out = np.asarray(out.astype(jnp.float32))
+    want = np.asarray(reference.ragged_dot(lhs, rhs, gs, transpose_rhs=True, out_dtype=jnp.float32))
+    np.testing.assert_allclose(out, want, rtol=0, atol=2**-8 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("group_sizes", [[1, 60, 0, 50], [0, 0, 0, 0], [0, 131, 0, 0]], ids=["ragged", "empty", "one"])
 def test_weight_grad_no_race_no_out_of_bounds(interpreter, group_sizes):
     """The transposed grouped matmul (weights' gradient): two parallel axes
