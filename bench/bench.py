@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.generations import GENERATIONS, STEP_OVERHEAD_S  # noqa: E402
+from runtime.generations import GENERATIONS, modeled_time  # noqa: E402
 
 
 
@@ -145,15 +145,9 @@ def _tokamax(transpose_rhs: bool):
 
 
 def modeled_seconds(cost, generation: str, parallel_extent: int) -> dict:
-    gen = GENERATIONS[generation]
-    # A "parallel" axis shorter than the core count leaves cores idle (v5p).
-    cores_used = min(gen.cores_per_device, parallel_extent)
-    compute_rate = gen.bf16_flops * cores_used / gen.cores_per_device
-    mxu_s = cost.mxu_flops / compute_rate
-    hbm_s = cost.hbm_bytes / gen.hbm_bytes_per_s
-    steps_s = cost.grid_steps / cores_used * STEP_OVERHEAD_S
-    return {"mxu_us": mxu_s * 1e6, "hbm_us": hbm_s * 1e6, "steps_us": steps_s * 1e6,
-            "modeled_us": (max(mxu_s, hbm_s) + steps_s) * 1e6}
+    """The shared performance model applied to a walked kernel's counts."""
+    parts = modeled_time(GENERATIONS[generation], cost.mxu_flops, cost.hbm_bytes, cost.grid_steps, parallel_extent)
+    return {f"{'modeled' if key == 'total' else key}_us": value * 1e6 for key, value in parts.items()}
 
 
 def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: str, compile_check: bool):

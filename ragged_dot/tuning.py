@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from ._shared.generations import GENERATIONS, STEP_OVERHEAD_S
+from ._shared.generations import GENERATIONS, modeled_time
 from ._shared.tuning import lookup, round_up
 from .kernel import SUB_M, BlockSizes, vmem_bytes
 
@@ -33,12 +33,6 @@ def _dim_blocks(dim: int, quantum: int = 128) -> list[int]:
     return sorted(blocks | {dim})
 
 
-def _time(gen, flops, hbm_bytes, steps, parallel_tiles):
-    cores = min(gen.cores_per_device, parallel_tiles)  # megacore splits the "parallel" axes
-    compute = flops / (gen.bf16_flops * cores / gen.cores_per_device)
-    return max(compute, hbm_bytes / gen.hbm_bytes_per_s) + steps / cores * STEP_OVERHEAD_S
-
-
 def modeled_seconds(rows, k, n, groups, blocks: BlockSizes, generation, itemsize=2) -> float:
     """Expected time of the forward grouped matmul with `blocks`, for rows
     spread evenly over the groups (bench/ counts the real thing)."""
@@ -56,7 +50,7 @@ def modeled_seconds(rows, k, n, groups, blocks: BlockSizes, generation, itemsize
     computed_rows = min(visits * bm, rows + active * min(bm, SUB_M))
     flops = 2 * computed_rows * round_up(bk, gen.mxu_width) * round_up(bn, gen.mxu_width) * k_steps * n_tiles
     steps = n_tiles * (-(-rows // bm) + groups) * k_steps  # the grid's static length
-    return _time(gen, flops, hbm, steps, n_tiles)
+    return modeled_time(gen, flops, hbm, steps, n_tiles)["total"]
 
 
 def modeled_weight_grad_seconds(rows, p, q, groups, blocks: BlockSizes, generation, itemsize=2) -> float:
@@ -67,7 +61,7 @@ def modeled_weight_grad_seconds(rows, p, q, groups, blocks: BlockSizes, generati
     visits = -(-rows // bm) + groups
     hbm = itemsize * (visits * bm * (p * q_tiles + q * p_tiles) + groups * p * q)
     flops = 2 * visits * round_up(bm, gen.mxu_width) * round_up(bp, 8) * round_up(bq, gen.mxu_width) * p_tiles * q_tiles
-    return _time(gen, flops, hbm, p_tiles * q_tiles * visits, p_tiles * q_tiles)
+    return modeled_time(gen, flops, hbm, p_tiles * q_tiles * visits, p_tiles * q_tiles)["total"]
 
 
 def _search(model, buffers, rows, k, n, groups, generation, itemsize) -> BlockSizes:

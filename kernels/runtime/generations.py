@@ -44,6 +44,17 @@ GENERATIONS: dict[str, Generation] = {
 DEFAULT_GENERATION = "v6e"
 
 
+def modeled_time(gen: Generation, flops: float, hbm_bytes: float, grid_steps: int, parallel_tiles: int) -> dict:
+    """The performance model (seconds): max(MXU time, HBM time) plus a fixed
+    cost per grid step. A "parallel" grid axis shorter than the device's core
+    count leaves cores idle (v5p megacore)."""
+    cores = min(gen.cores_per_device, parallel_tiles)
+    mxu = flops / (gen.bf16_flops * cores / gen.cores_per_device)
+    hbm = hbm_bytes / gen.hbm_bytes_per_s
+    steps = grid_steps / cores * STEP_OVERHEAD_S
+    return {"mxu": mxu, "hbm": hbm, "steps": steps, "total": max(mxu, hbm) + steps}
+
+
 def generation_of_device_kind(device_kind: str) -> Generation:
     """Maps jax's `device.device_kind` to a generation; unknown TPUs are an error."""
     for gen in GENERATIONS.values():
