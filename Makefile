@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test build bench publish venv clean
+.PHONY: demo test build bench tune check-tuned publish venv clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -26,10 +26,16 @@ test: $(STAMP)
 	$(PY) -m pytest tests -q
 
 build: $(STAMP)
-	$(PY) kernels/build.py
+	$(PY) kernels/build_collection.py
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/bench.py $(BENCH_ARGS)
+
+tune: $(STAMP)
+	$(PY) bench/tune.py $(TUNE_ARGS)
+
+check-tuned: $(STAMP)
+	RAGGED_DOT_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_tuned_blocks.py -q
 
 publish: $(STAMP)
 	$(PY) kernels/publish.py $(PUBLISH_ARGS)

@@ -1,13 +1,15 @@
 """Counts what a Pallas TPU kernel moves and computes, from the kernel itself.
 
-Given a JAX function and concrete inputs, `kernel_costs` finds each
-`pallas_call` in it, computes that call's real scalar-prefetch values, and
-walks its grid in order the way the TPU pipeline does:
+Given a JAX function and its inputs (the routing concrete, the data may be
+abstract), `kernel_costs` finds each `pallas_call` in it, computes that
+call's real scalar-prefetch values, and walks its grid in order the way the
+TPU pipeline does:
 
 - HBM traffic: an operand's block is copied in (or an output's written
-  back) whenever its block index differs from the previous grid step's;
-  each copy moves the block clipped to the array's bounds. Block shapes
-  and index maps are read from the pallas_call, not written by hand.
+  back) whenever its block index (or element offset, for `pl.Element`
+  dims) differs from the previous grid step's; each copy moves the block
+  clipped to the array's bounds. Block shapes and index maps are read
+  from the pallas_call, not written by hand.
 - MXU work: each `dot_general` in the kernel body counts at its shapes
   padded to the MXU (rows to 8, contraction and columns to the MXU width),
   on the grid steps where it runs: a dot under `pl.when(cond)` counts on
@@ -55,12 +57,20 @@ def _sub_jaxpr(eqn):
     return None
 
 
-def pallas_calls(fn, *args):
-    """[(pallas_call eqn, its concrete input values)] in program order. Each
-    pallas_call's outputs are replaced by zeros: the cost of a kernel
-    depends on its scalar prefetch (routing), not on other kernels' values."""
+# Copies the function makes outside its kernels (padding rows or columns to
+# whole blocks): each reads its input and writes its output through HBM.
+COPY_PRIMITIVES = {"pad"}
+
+
+def pallas_calls(fn, *args, copies: list | None = None):
+    """[(pallas_call eqn, its input values)] in program order. Only what the
+    scalar prefetch is computed from needs concrete values: pass the data
+    operands as jax.ShapeDtypeStruct (the walk then never allocates them),
+    and each pallas_call's outputs stay abstract too: the cost of a kernel
+    depends on its scalar prefetch (routing), not on the data."""
     closed = jax.make_jaxpr(fn)(*args)
     found = []
+    abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
 
     def run(jaxpr, consts, values):
         env = {}
@@ -73,10 +83,15 @@ def pallas_calls(fn, *args):
             invals = [read(v) for v in eqn.invars]
             if eqn.primitive.name == "pallas_call":
                 found.append((eqn, invals))
-                outs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+                outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
             elif eqn.primitive.name in CALL_PRIMITIVES and _sub_jaxpr(eqn) is not None:
                 sub = _sub_jaxpr(eqn)
                 outs = run(sub.jaxpr, sub.consts, invals)
+            elif any(abstract(x) for x in invals):  # data we only need the shape of
+                if eqn.primitive.name in COPY_PRIMITIVES and copies is not None:
+                    copies.append(sum(v.aval.size * v.aval.dtype.itemsize
+                                      for v in (eqn.invars[0], eqn.outvars[0])))
+                outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
             else:
                 outs = eqn.primitive.bind(*invals, **eqn.params)
                 outs = outs if eqn.primitive.multiple_results else [outs]
@@ -101,22 +116,41 @@ def _grid_points(grid):
 
 
 def _block_dims(block_mapping):
+    """(block size, index is an element offset) per dim."""
     dims = []
     for dim in block_mapping.block_shape:
         if isinstance(dim, pallas_core.Squeezed) or dim is None:
-            dims.append(1)
+            dims.append((1, False))
         elif isinstance(dim, pallas_core.Blocked):
-            dims.append(dim.block_size)
+            dims.append((dim.block_size, False))
+        elif isinstance(dim, pallas_core.Element) and dim.padding == (0, 0):
+            dims.append((dim.block_size, True))
         elif isinstance(dim, int):
-            dims.append(dim)
+            dims.append((dim, False))
         else:
             raise NotImplementedError(f"block dim {dim!r}")
     return dims
 
 
+def _without_alignment_hints(closed):
+    """The jaxpr with `pl.multiple_of` (a compiler hint with no batching
+    rule) replaced by its input, so index maps can be vmapped."""
+    jaxpr = closed.jaxpr
+    alias = {}
+    eqns = []
+    for eqn in jaxpr.eqns:
+        eqn = eqn.replace(invars=[alias.get(v, v) if not isinstance(v, jcore.Literal) else v for v in eqn.invars])
+        if eqn.primitive.name == "multiple_of":
+            alias[eqn.outvars[0]] = eqn.invars[0]
+        else:
+            eqns.append(eqn)
+    outvars = [alias.get(v, v) if not isinstance(v, jcore.Literal) else v for v in jaxpr.outvars]
+    return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), closed.consts)
+
+
 def _block_indices(block_mapping, points, prefetch):
     """Block index of one operand at every grid point: [steps, ndim]."""
-    pure = discharge_state(block_mapping.index_map_jaxpr)
+    pure = discharge_state(_without_alignment_hints(block_mapping.index_map_jaxpr))
     num_out = len(block_mapping.block_shape)
 
     def one(point):
@@ -128,13 +162,13 @@ def _block_indices(block_mapping, points, prefetch):
 
 def _copy_bytes(block_mapping, indices):
     """Bytes per copy at each step where the block index changes."""
-    dims = _block_dims(block_mapping)
+    dims, is_element = (np.asarray(x) for x in zip(*_block_dims(block_mapping)))
     shape = block_mapping.array_aval.shape
     itemsize = np.dtype(block_mapping.array_aval.dtype).itemsize
     changed = np.ones(len(indices), bool)
     changed[1:] = np.any(indices[1:] != indices[:-1], axis=1)
-    starts = indices[changed] * np.asarray(dims)
-    sizes = np.minimum(np.asarray(dims), np.maximum(np.asarray(shape) - starts, 0))
+    starts = np.where(is_element, indices[changed], indices[changed] * dims)
+    sizes = np.minimum(dims, np.maximum(np.asarray(shape) - starts, 0))
     return int(np.prod(sizes, axis=1).sum()) * itemsize
 
 
@@ -251,4 +285,12 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
 
 
 def kernel_costs(fn, args, mxu_width: int) -> list[KernelCost]:
-    return [analyze_call(eqn, invals, mxu_width) for eqn, invals in pallas_calls(fn, *args)]
+    return kernel_costs_and_copies(fn, args, mxu_width)[0]
+
+
+def kernel_costs_and_copies(fn, args, mxu_width: int) -> tuple[list[KernelCost], int]:
+    """Each kernel's cost, and the HBM bytes of the padding copies outside
+    them (on data operands, which the walk keeps abstract)."""
+    copies = []
+    calls = pallas_calls(fn, *args, copies=copies)
+    return [analyze_call(eqn, invals, mxu_width) for eqn, invals in calls], sum(copies)

@@ -11,10 +11,12 @@ topology is made or torch_tpu is imported): libtpu reads its flags once.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +31,8 @@ def configure_environment(dump_dir: str | None = None) -> Path:
         return Path(existing)
     dump = Path(dump_dir or tempfile.mkdtemp(prefix="libtpu-dump-"))
     dump.mkdir(parents=True, exist_ok=True)
+    if dump_dir is None:
+        atexit.register(shutil.rmtree, dump, ignore_errors=True)
     os.environ["TPU_KERNELS_DUMP_DIR"] = str(dump)
     os.environ["LIBTPU_INIT_ARGS"] = (
         os.environ.get("LIBTPU_INIT_ARGS", "")
@@ -84,15 +88,23 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str) -> CompileRepo
     device = device_for(generation)
     sharding = jax.sharding.SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in arg_specs]
-    before = set(os.listdir(dump))
+    _clear(dump)
     start = time.perf_counter()
-    with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
-        jax.jit(fn).lower(*args).compile()
-    seconds = time.perf_counter() - start
-    capacity, kernels = _read_dump(dump, sorted(set(os.listdir(dump)) - before), kernel_name)
+    try:
+        with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
+            jax.jit(fn).lower(*args).compile()
+        seconds = time.perf_counter() - start
+        capacity, kernels = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)
+    finally:
+        _clear(dump)  # a compile's dump can be tens of MB: keep none of it
     if not kernels:
         raise RuntimeError(f"libtpu's dump in {dump} has no VMEM report for a kernel named {kernel_name!r}")
     return CompileReport(generation, device.device_kind, seconds, capacity, kernels)
+
+
+def _clear(dump: Path) -> None:
+    for entry in Path(dump).iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def _read_dump(dump: Path, files: list[str], kernel_name: str):
@@ -104,7 +116,9 @@ def _read_dump(dump: Path, files: list[str], kernel_name: str):
             data, _ = json.JSONDecoder().raw_decode(text[text.index("const DATA =") + len("const DATA ="):].lstrip())
             capacity = data.get("global_info", {}).get("vmem_capacity", capacity)
             for op, info in data["hlo_breakdowns"].items():
-                if kernel_name in op or kernel_name in str(info.get("metadata", "")):
+                # A Pallas kernel's HLO op carries its name. Other ops whose metadata
+                # names it (copies around it) and "<top-inlining-caller>" are not it.
+                if kernel_name in op and not op.startswith("<"):
                     vmem[op] = info["total_size"]
         elif name.endswith("schedule-analysis_final_bundles.txt"):
             match = re.search(r"total scheduled bundles:\s+(\d+)", path.read_text())

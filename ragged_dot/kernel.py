@@ -34,18 +34,20 @@ class BlockSizes:
     block_m: int  # rows of lhs per tile (multiple of 16 for bf16 packing)
     block_k: int  # contraction slice per grid step (multiple of 128, or all of K)
     block_n: int  # output columns per grid step (multiple of 128, or all of N)
+    # Weights' gradient only: start each group's row windows at the group's
+    # first row (less MXU work at group boundaries) instead of at block_m
+    # tiles (a tile two groups share is read once). Which wins depends on
+    # the generation's FLOP/byte balance; the tuning decides.
+    windows_at_group_start: bool = False
 
 
-def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int, *, for_weight_grad: bool = False):
+def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
     """The (group, m tile) visit list for rows sorted by group.
 
     Args:
       group_sizes: int32 [G], rows per group; their sum is at most num_rows.
       num_rows: M padded to a multiple of block_m.
       block_m: rows per tile.
-      for_weight_grad: the list `transposed_grouped_matmul` walks: every
-        group is visited at least once (an empty group's gradient block must
-        be written, as zeros) and there is no fill group.
 
     Returns int32 arrays, in the order the kernel takes them:
       row_start, row_end [G + 1]: each group's row range; group G is the
@@ -60,12 +62,12 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int, *, for_weig
     num_groups = group_sizes.shape[0]
     num_tiles = num_rows // block_m
     total = jnp.sum(group_sizes)
-    sizes = group_sizes if for_weight_grad else jnp.concatenate([group_sizes, (num_rows - total)[None]])
+    sizes = jnp.concatenate([group_sizes, (num_rows - total)[None]])
     row_end = jnp.cumsum(sizes)
     row_start = row_end - sizes
     first_tile = jnp.minimum(row_start // block_m, num_tiles - 1)
     end_tile = (row_end + block_m - 1) // block_m
-    tiles_per_group = jnp.where(sizes > 0, end_tile - first_tile, 1 if for_weight_grad else 0)
+    tiles_per_group = jnp.where(sizes > 0, end_tile - first_tile, 0)
     visit_end = jnp.cumsum(tiles_per_group)  # exclusive end visit of each group
     num_visits = visit_end[-1]
 
@@ -246,9 +248,54 @@ def vmem_bytes(blocks: BlockSizes, itemsize: int, out_dtype) -> int:
     return 2 * (bm * bk + bk * bn) * itemsize + 2 * bm * bn * out_item + bm * bn * 4
 
 
+ROW_ALIGN = 16  # a weight-gradient window starts on a packed-row boundary (16 bf16 rows)
+
+
+def make_weight_grad_visits(group_sizes: jax.Array, num_rows: int, block_m: int, align: int):
+    """The visit list of `transposed_grouped_matmul`: each group's rows are
+    read in windows of block_m rows, the first starting at the group's first
+    row rounded down to `align` (ROW_ALIGN: a group costs the MXU at most one
+    partial window; block_m: windows are fixed tiles, and consecutive visits
+    to one tile share its copy). An empty group gets one visit that only
+    writes its zero gradient.
+
+    Returns int32 arrays: visit_group [V]; window [V], the first row each
+    visit's window reads; own_start, own_end [V], the rows it counts (its
+    group's rows not counted by the group's earlier windows); num_visits [1].
+    V = cdiv(num_rows, block_m) + G bounds the visit count.
+    """
+    assert num_rows % align == 0 and num_rows >= block_m and block_m % align == 0, (num_rows, block_m, align)
+    num_groups = group_sizes.shape[0]
+    row_end = jnp.cumsum(group_sizes)
+    row_start = row_end - group_sizes
+    aligned = row_start // align * align
+    windows = jnp.maximum(pl.cdiv(row_end - aligned, block_m), 1)
+    visit_end = jnp.cumsum(windows)
+    num_visits = visit_end[-1]
+
+    max_visits = pl.cdiv(num_rows, block_m) + num_groups
+    visit = jnp.minimum(jnp.arange(max_visits, dtype=jnp.int32), num_visits - 1)  # past the end: repeat the last
+    group = jnp.minimum(jnp.searchsorted(visit_end, visit, side="right"), num_groups - 1)
+    nominal = aligned[group] + (visit - (visit_end[group] - windows[group])) * block_m
+    own_start = jnp.maximum(nominal, row_start[group])
+    own_end = jnp.minimum(nominal + block_m, row_end[group])
+    # A window running past the last row slides back; own_start keeps the
+    # rows it re-reads from being counted twice.
+    window = jnp.minimum(nominal, num_rows - block_m)
+    i32 = lambda x: x.astype(jnp.int32)
+    return i32(group), i32(window), i32(own_start), i32(own_end), i32(num_visits)[None]
+
+
+def weight_grad_rows(m: int, blocks: BlockSizes) -> int:
+    """The rows `transposed_grouped_matmul`'s windows need the inputs to have."""
+    if blocks.windows_at_group_start:
+        return max(pl.cdiv(m, ROW_ALIGN) * ROW_ALIGN, blocks.block_m)
+    return pl.cdiv(m, blocks.block_m) * blocks.block_m
+
+
 def _weight_grad_kernel(
-    row_start, row_end, visit_group, visit_tile, weight_group, num_visits,
-    a_ref, b_ref, out_ref, acc_ref, *, precision,
+    visit_group, window, own_start, own_end, num_visits,
+    a_ref, b_ref, out_ref, acc_ref, *, precision, sub_rows: int,
 ):
     v = pl.program_id(2)
     last_v = pl.num_programs(2) - 1
@@ -260,17 +307,24 @@ def _weight_grad_kernel(
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(row_end[group] > row_start[group])
-    def _():
-        block_m = a_ref.shape[0]
-        rows = visit_tile[v] * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
-        mine = jnp.logical_and(rows >= row_start[group], rows < row_end[group])
-        # Zero other groups' rows in both operands: 0 * inf must not leak in.
-        a = jnp.where(mine, a_ref[...], 0)
-        b = jnp.where(mine, b_ref[...], 0)
-        acc_ref[...] += jax.lax.dot_general(
-            a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
-        )
+    # The window is contracted in sub-blocks of sub_rows (the MXU's
+    # contraction width); those past the visit's rows are skipped.
+    block_m = a_ref.shape[0]
+    sub = min(block_m, sub_rows)
+    lo, hi = own_start[v], own_end[v]
+    for s in range(block_m // sub):
+        first = window[v] + s * sub
+
+        @pl.when(jnp.logical_and(jnp.logical_and(lo < hi, first < hi), first + sub > lo))
+        def _():
+            rows = first + jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+            mine = jnp.logical_and(rows >= lo, rows < hi)
+            # Zero the other rows in both operands: 0 * inf must not leak in.
+            a = jnp.where(mine, a_ref[pl.ds(s * sub, sub), :], 0)
+            b = jnp.where(mine, b_ref[pl.ds(s * sub, sub), :], 0)
+            acc_ref[...] += jax.lax.dot_general(
+                a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+            )
 
     @pl.when(last_of_group)
     def _():
@@ -285,41 +339,59 @@ def transposed_grouped_matmul(
     blocks: BlockSizes,
     out_dtype,
     vmem_limit: int,
+    sub_rows: int,
     interpret,
 ) -> jax.Array:
     """out[g] = a[rows of g]^T @ b[rows of g]: [M, P], [M, Q] -> [G, P, Q].
 
     The weights' gradient of a grouped matmul (megablox calls it tgmm).
     Grid (P tiles, Q tiles, visits): each output block accumulates over its
-    group's m tiles and is written once, at the group's last visit; empty
-    groups get one visit that writes zeros. Here block_k tiles P and
-    block_n tiles Q; edge blocks past P or Q are clipped on write.
+    group's row windows (`make_weight_grad_visits`) and is written once, at
+    the group's last visit; empty groups get one visit that writes zeros.
+    Here block_m is the window's rows, block_k tiles P and block_n tiles Q;
+    edge blocks past P or Q are clipped on write. sub_rows: rows per MXU
+    pass (its contraction width).
+
+    The windows are element-indexed and must lie inside a and b, so their
+    rows are padded to what the windows need (at group starts: a multiple
+    of ROW_ALIGN, at least block_m; fixed tiles: whole tiles) and, when a P
+    or Q block does not divide it, their columns to whole blocks: a copy,
+    which the tuning's cost model charges.
     """
     m, p = a.shape
     q = b.shape[1]
     num_groups = group_sizes.shape[0]
     bm, bp, bq = blocks.block_m, blocks.block_k, blocks.block_n
-    assert m % bm == 0 and b.shape[0] == m, (a.shape, b.shape, blocks)
-    prefetch = make_visits(group_sizes, m, bm, for_weight_grad=True)
+    assert b.shape[0] == m and bm % ROW_ALIGN == 0 and bm % min(bm, sub_rows) == 0, (a.shape, b.shape, blocks)
+    rows = weight_grad_rows(m, blocks)
+    a = jnp.pad(a, ((0, rows - m), (0, -p % bp))) if (rows - m) or p % bp else a
+    b = jnp.pad(b, ((0, rows - m), (0, -q % bq))) if (rows - m) or q % bq else b
+    align = ROW_ALIGN if blocks.windows_at_group_start else bm
+    prefetch = make_weight_grad_visits(group_sizes, rows, bm, align)
 
-    def a_map(pp, qq, v, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
-        return visit_tile[v], pp
+    # Element offsets Mosaic can prove aligned: a whole-dim block (which
+    # need not be a multiple of 128) always starts at 0.
+    column = lambda tile, block, dim: 0 if block >= dim else tile * block
 
-    def b_map(pp, qq, v, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
-        return visit_tile[v], qq
+    def a_map(pp, qq, v, visit_group, window, own_start, own_end, num_visits):
+        return pl.multiple_of(window[v], align), column(pp, bp, p)
 
-    def out_map(pp, qq, v, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+    def b_map(pp, qq, v, visit_group, window, own_start, own_end, num_visits):
+        return pl.multiple_of(window[v], align), column(qq, bq, q)
+
+    def out_map(pp, qq, v, visit_group, window, own_start, own_end, num_visits):
         return visit_group[v], pp, qq
 
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     itemsize = jnp.dtype(a.dtype).itemsize
     return pl.pallas_call(
-        functools.partial(_weight_grad_kernel, precision=precision),
+        functools.partial(_weight_grad_kernel, precision=precision, sub_rows=sub_rows),
         out_shape=jax.ShapeDtypeStruct((num_groups, p, q), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(pl.cdiv(p, bp), pl.cdiv(q, bq), prefetch[-1][0]),
-            in_specs=[pl.BlockSpec((bm, bp), a_map), pl.BlockSpec((bm, bq), b_map)],
+            in_specs=[pl.BlockSpec((pl.Element(bm), pl.Element(bp)), a_map),
+                      pl.BlockSpec((pl.Element(bm), pl.Element(bq)), b_map)],
             out_specs=pl.BlockSpec((None, bp, bq), out_map),
             scratch_shapes=[pltpu.VMEM((bp, bq), jnp.float32)],
         ),

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._shared.generations import current_generation
+from ._shared.generations import GENERATIONS, current_generation
 from ._shared.tuning import round_up
 from .kernel import grouped_matmul, transposed_grouped_matmul
 from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
@@ -76,11 +76,10 @@ def _weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
         return jnp.zeros((num_groups, p, q), out_dtype)
     itemsize = jnp.dtype(a.dtype).itemsize
     blocks = choose_weight_grad_blocks(m, p, q, num_groups, generation, itemsize)
-    padded = round_up(m, blocks.block_m)
-    pad = lambda x: jnp.pad(x, ((0, padded - m), (0, 0))) if padded != m else x
     return transposed_grouped_matmul(
-        pad(a), pad(b), group_sizes.astype(jnp.int32), blocks=blocks, out_dtype=out_dtype,
-        vmem_limit=vmem_limit(weight_grad_buffers(blocks, itemsize), generation), interpret=interpret,
+        a, b, group_sizes.astype(jnp.int32), blocks=blocks, out_dtype=out_dtype,
+        vmem_limit=vmem_limit(weight_grad_buffers(blocks, itemsize), generation),
+        sub_rows=GENERATIONS[generation].mxu_width, interpret=interpret,
     )
 
 

@@ -10,8 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The repo root for the kernel folders; kernels/ for the tools (build,
-# publish, AOT compile). kernels/ itself is never a package.
-for path in (os.path.join(REPO, "kernels"), REPO):
+# publish, AOT compile); bench/ for the bench and tuning scripts. kernels/
+# itself is never a package.
+for path in (os.path.join(REPO, "bench"), os.path.join(REPO, "kernels"), REPO):
     if path not in sys.path:
         sys.path.insert(0, path)
 

@@ -1,9 +1,6 @@
 """The bench's counting (bench/grid_walk.py) against hand counts, and the
 properties of our kernel it shows: inactive experts' weights are never read."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +8,9 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import bench  # noqa: E402
-import grid_walk  # noqa: E402
-
-from ragged_dot import kernel  # noqa: E402
+import bench
+import grid_walk
+from ragged_dot import kernel
 
 
 def _tiled_matmul(m, k, n, bm, bk, bn):
@@ -69,11 +63,44 @@ def test_inactive_experts_weights_are_never_read():
         return kernel.grouped_matmul(lhs, rhs, gs, blocks=kernel.BlockSizes(16, k, n), transpose_rhs=True,
                                      out_dtype=jnp.bfloat16, vmem_limit=32 << 20, interpret=False)
 
-    args = (jnp.zeros((rows, k), jnp.bfloat16), jnp.zeros((groups, n, k), jnp.bfloat16), jnp.asarray(sizes))
+    # Data operands abstract (the walk needs only their shapes), routing concrete.
+    args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, n, k), jnp.bfloat16),
+            jnp.asarray(sizes))
     (cost,) = grid_walk.kernel_costs(fn, args, mxu_width=256)
     weights = [v for key, v in cost.bytes_by_operand.items() if key.startswith("in1:")]
     assert weights == [5 * k * n * 2]
     assert cost.work_steps == 5 and cost.dot_flops == 5 * 2 * 16 * k * n
+
+
+def test_weight_grad_windows_and_padding_copies_are_counted():
+    """The weights' gradient with windows at group starts: element-indexed
+    windows are counted at their offsets (a group's first window re-reads
+    the previous group's last rows), MXU passes past a group's rows are
+    skipped, and the column padding for a Q block that does not divide Q is
+    counted as a copy outside the kernel."""
+    rows, p, q = 256, 128, 200  # Q = 200 in 128-wide blocks: b is padded to 256 columns
+    sizes = np.array([100, 0, 156], np.int32)
+
+    def fn(a, b, gs):
+        return kernel.transposed_grouped_matmul(
+            a, b, gs, blocks=kernel.BlockSizes(128, 128, 128, windows_at_group_start=True),
+            out_dtype=jnp.bfloat16, vmem_limit=32 << 20, sub_rows=64, interpret=False)
+
+    args = (jax.ShapeDtypeStruct((rows, p), jnp.bfloat16), jax.ShapeDtypeStruct((rows, q), jnp.bfloat16),
+            jnp.asarray(sizes))
+    (cost,), copies = grid_walk.kernel_costs_and_copies(fn, args, mxu_width=256)
+    assert copies == 2 * (rows * q + rows * 256)  # read b, write it padded
+    # Windows: group 0 at row 0; group 2 starts at 100 -> 96, then 224 slides back to 128.
+    # Empty group 1 (one visit, window 96 after group 0's 0) and group 2's first
+    # window share offset 96, so the a/b copy happens at 0, 96, 128 per Q tile.
+    windows_read = 3 * 128
+    q_tiles = 2
+    in_bytes = {k: v for k, v in cost.bytes_by_operand.items() if k.startswith("in")}
+    assert sorted(in_bytes.values()) == sorted([2 * windows_read * p * q_tiles, 2 * windows_read * 128 * q_tiles])
+    # Passes of 64 rows: group 0's window 0 owns rows 0-99 (passes 0, 64); group 2's
+    # window 96 owns 100-223 (passes 96, 160), its window 128 owns 224-255 (pass 192
+    # only). 5 passes per Q tile, each contraction padded to 256.
+    assert cost.mxu_flops == 5 * q_tiles * 2 * 128 * 256 * 256
 
 
 def test_bench_writes_modeled_table_and_chart(tmp_path):

@@ -86,10 +86,53 @@ def test_blocks_that_do_not_divide_k_and_n(transpose_rhs):
     out = kernel.grouped_matmul(lhs, rhs, gs, blocks=blocks, transpose_rhs=transpose_rhs, out_dtype=jnp.float32,
                                 vmem_limit=32 << 20, interpret=True)
     _assert_close(out, reference.ragged_dot(lhs, rhs, gs, transpose_rhs=transpose_rhs), jnp.float32)
+    # The weights' gradient pads its inputs' columns to whole blocks (its
+    # windows must lie inside them); the output's edge blocks are clipped.
     b = jnp.asarray(np.random.default_rng(3).standard_normal((m, n)), jnp.float32)
-    grad = kernel.transposed_grouped_matmul(lhs, b, gs, blocks=blocks, out_dtype=jnp.float32,
-                                            vmem_limit=32 << 20, interpret=True)
-    _assert_close(grad, reference.weight_grad(lhs, b, gs), jnp.float32)
+    for at_group_start in (True, False):
+        grad = kernel.transposed_grouped_matmul(
+            lhs, b, gs, blocks=kernel.BlockSizes(16, 128, 128, at_group_start), out_dtype=jnp.float32,
+            vmem_limit=32 << 20, sub_rows=128, interpret=True)
+        _assert_close(grad, reference.weight_grad(lhs, b, gs), jnp.float32)
+
+
+@pytest.mark.parametrize("at_group_start", [True, False], ids=["group-start", "tiles"])
+@pytest.mark.parametrize("sizes", [[5, 0, 50, 40], [0, 0, 0, 0], [128, 0, 0, 0], [1, 1, 17, 90]])
+def test_weight_grad_windows(sizes, at_group_start):
+    """64-row windows, starting at each group's first row (rounded down to
+    16; the last one slides back inside M) or at fixed tiles, contracted in
+    32-row sub-blocks: every group's rows are counted once."""
+    from ragged_dot import kernel
+
+    rng = np.random.default_rng(4)
+    m, p, q = 112 if at_group_start else 128, 128, 256  # 112: the last window slides back
+    sizes = np.diff(np.minimum(np.cumsum([0] + sizes), m)).tolist()  # at most m rows in all
+    a = jnp.asarray(rng.standard_normal((m, p)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((m, q)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    blocks = kernel.BlockSizes(64, 128, 128, windows_at_group_start=at_group_start)
+    out = kernel.transposed_grouped_matmul(a, b, gs, blocks=blocks, out_dtype=jnp.float32,
+                                           vmem_limit=32 << 20, sub_rows=32, interpret=True)
+    _assert_close(out, reference.weight_grad(a, b, gs), jnp.float32)
+
+
+@pytest.mark.parametrize("align", [16, 32], ids=["group-start", "tiles"])
+def test_weight_grad_visits_count_each_row_once(align):
+    from ragged_dot.kernel import make_weight_grad_visits
+
+    block_m, num_rows = 32, 96
+    for sizes in ([5, 0, 20, 3], [0, 0, 0], [96], [16, 16, 0, 1], [1] * 10, [0, 90, 6]):
+        group, window, lo, hi, nvis = (np.asarray(x) for x in
+                                       make_weight_grad_visits(jnp.asarray(sizes, jnp.int32), num_rows, block_m, align))
+        counted = np.zeros(num_rows, int)
+        for v in range(int(nvis[0])):
+            assert window[v] % align == 0 and 0 <= window[v] <= num_rows - block_m
+            assert window[v] <= lo[v] and hi[v] <= window[v] + block_m  # owned rows inside the window
+            counted[lo[v]:hi[v]] += 1
+            assert np.all(np.repeat(np.arange(len(sizes)), sizes)[lo[v]:hi[v]] == group[v])
+        assert np.all(counted[:sum(sizes)] == 1) and not counted[sum(sizes):].any()
+        assert set(group[:nvis[0]]) == set(range(len(sizes)))  # empty groups too: their zeros get written
+        assert nvis[0] <= num_rows // block_m + len(sizes)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])

@@ -57,17 +57,21 @@ def test_sub_blocked_tiles_no_race(interpreter):
     np.testing.assert_allclose(out, want, rtol=0, atol=2**-8 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("at_group_start", [True, False], ids=["group-start", "tiles"])
 @pytest.mark.parametrize("group_sizes", [[1, 60, 0, 50], [0, 0, 0, 0], [0, 131, 0, 0]], ids=["ragged", "empty", "one"])
-def test_weight_grad_no_race_no_out_of_bounds(interpreter, group_sizes):
-    """The transposed grouped matmul (weights' gradient): two parallel axes
-    split over the simulated cores; empty groups must still be written
-    (uninitialised memory reads as NaN here)."""
+def test_weight_grad_no_race_no_out_of_bounds(interpreter, group_sizes, at_group_start):
+    """The transposed grouped matmul (weights' gradient), windows at group
+    starts (the last one slides back inside M) or at fixed tiles: two
+    parallel axes split over the simulated cores; empty groups must still
+    be written (uninitialised memory reads as NaN here)."""
     rng = np.random.default_rng(1)
-    m, p, q = 131, 1024, 1024
+    m, p, q = 144, 512, 256
     a = jnp.asarray(rng.standard_normal((m, p)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((m, q)), jnp.bfloat16)
     gs = jnp.asarray(group_sizes, jnp.int32)
-    out = ops._weight_grad(a, b, gs, jnp.bfloat16, "v5e", interpreter)
+    out = kernel.transposed_grouped_matmul(
+        a, b, gs, blocks=kernel.BlockSizes(48, 256, 128, windows_at_group_start=at_group_start),
+        out_dtype=jnp.bfloat16, vmem_limit=32 << 20, sub_rows=16, interpret=interpreter)
     assert tpu_interpreter.races.races_found is False
     out = np.asarray(out.astype(jnp.float32))
     assert not np.isnan(out).any(), "a gradient block was never written"

@@ -1,0 +1,221 @@
+"""Fills ragged_dot's tuning tables (`make tune`), MODELED on this CPU machine.
+
+For each model's experts (bench.MOE_SHAPES), token bucket and TPU
+generation, it traces transformers' experts forward (and, for prefill, its
+gradient) to find every grouped matmul the kernels look blocks up for, then
+for each one:
+
+1. ranks the block choices with the cost model (ragged_dot/tuning.py),
+   allowing buffers up to what the chip's VMEM holds (`max_buffers`), not
+   only Mosaic's default scoped limit the rule keeps to;
+2. counts the best few with the bench's grid walk (real routing, real
+   visits) and keeps the one with the lowest modeled time;
+3. compiles it with libtpu for the generation; a choice that does not
+   compile or exceeds its VMEM limit is dropped for the next.
+
+Evidence goes to bench/results/tuning_<generation>.json; the table to
+ragged_dot/tuned_blocks.py (generated from those files; do not edit it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import bench  # sets up sys.path and the CPU / libtpu environment
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import grid_walk  # noqa: E402
+import tpu_compile  # noqa: E402
+from ragged_dot import ops, tuning  # noqa: E402
+from runtime.generations import GENERATIONS  # noqa: E402
+
+DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]  # the buckets 1..64 sequences reach
+PREFILL_TOKENS = [2048, 4096, 8192, 16384]
+CANDIDATES = 4  # how many of the cost model's best each entry walks
+RESULTS = bench.BENCH / "results"
+TABLE = bench.REPO / "ragged_dot" / "tuned_blocks.py"
+
+
+@contextlib.contextmanager
+def recording_calls():
+    """Records the grouped matmuls `ops` runs while tracing: ("forward",
+    lhs shape, rhs shape, transpose_rhs) or ("weight_grad", a shape, b shape)."""
+    calls, forward, weight_grad = [], ops._forward, ops._weight_grad
+
+    def record_forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret):
+        calls.append(("forward", lhs.shape, rhs.shape, transpose_rhs))
+        return forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret)
+
+    def record_weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
+        calls.append(("weight_grad", a.shape, b.shape, None))
+        return weight_grad(a, b, group_sizes, out_dtype, generation, interpret)
+
+    ops._forward, ops._weight_grad = record_forward, record_weight_grad
+    try:
+        yield calls
+    finally:
+        ops._forward, ops._weight_grad = forward, weight_grad
+
+
+def experts_specs(shape: bench.MoeShape, tokens: int):
+    """experts_forward's inputs (bf16), in the model's weight layout."""
+    h, i, e, k = shape.hidden, shape.intermediate, shape.experts, shape.top_k
+    s = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
+    up, down = ((s(e, h, 2 * i), s(e, i, h)) if shape.gpt_oss_layout else (s(e, 2 * i, h), s(e, h, i)))
+    return [s(tokens, h), s(tokens, k, dtype=jnp.int32), s(tokens, k), up, down]
+
+
+def grouped_matmuls(shape: bench.MoeShape, tokens: int, generation: str, training: bool):
+    """The distinct grouped-matmul calls of the experts forward (and backward)."""
+    def forward(hidden, index, weights, up, down):
+        return ops.experts_forward(hidden, index, weights, up, down, transposed=shape.gpt_oss_layout,
+                                   generation=generation, interpret=False)
+
+    def loss(*args):
+        return jnp.sum(forward(*args).astype(jnp.float32))
+
+    fn = jax.grad(loss, argnums=(0, 3, 4)) if training else forward
+    with recording_calls() as calls:
+        jax.eval_shape(fn, *experts_specs(shape, tokens))
+    return list(dict.fromkeys(calls))
+
+
+def call_fn(call, groups, generation):
+    """(fn(a, b, group_sizes), table, key, model, buffers) of one recorded call."""
+    kind, a_shape, b_shape, transpose_rhs = call
+    if kind == "forward":
+        n = b_shape[1] if transpose_rhs else b_shape[2]
+        fn = lambda a, b, g: ops._forward(a, b, g, transpose_rhs, generation, False)
+        return fn, tuning.TUNED, (*a_shape, n, groups, 2), tuning.modeled_seconds, tuning.forward_buffers
+    # [rows, P], [rows, Q] -> [G, P, Q]
+    fn = lambda a, b, g: ops._weight_grad(a, b, g, jnp.bfloat16, generation, False)
+    return (fn, tuning.TUNED_WEIGHT_GRAD, (*a_shape, b_shape[1], groups, 2), tuning.modeled_weight_grad_seconds,
+            tuning.weight_grad_buffers)
+
+
+def fresh(fn):
+    """A new function object: jax caches traces by function identity, and
+    each candidate changes what the same call traces to."""
+    return lambda *args: fn(*args)
+
+
+def tune_call(shape, tokens, call, generation):
+    """Walks the model's best candidates, compiles the winner; returns the record."""
+    fn, table, key, model, buffers = call_fn(call, shape.experts, generation)
+    kind, a_shape, b_shape, _ = call
+    rows, k, n, groups, itemsize = key
+    ranked = tuning.ranked_blocks(model, buffers, rows, k, n, groups, generation, itemsize,
+                                  tuning.max_buffers(generation))
+    rule = (tuning.rule_blocks if kind == "forward" else tuning.rule_weight_grad_blocks)(
+        rows, k, n, groups, generation, itemsize)
+    candidates = list(dict.fromkeys(ranked[:CANDIDATES] + [rule]))
+    gen = GENERATIONS[generation]
+    args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
+            jnp.asarray(bench.routing(shape, tokens)))
+    walked = []
+    for blocks in candidates:
+        table[generation][key] = blocks
+        try:
+            (cost,), copies = grid_walk.kernel_costs_and_copies(fresh(fn), args, gen.mxu_width)
+            seconds = bench.modeled_seconds(cost, generation, cost.grid[0], copies)
+            walked.append((seconds["modeled_us"], buffers(blocks, itemsize), blocks))
+        finally:
+            del table[generation][key]
+    record = dict(model=shape.model, tokens=tokens, kind=kind, key=list(key), generation=generation,
+                  candidates=[dict(blocks=list(b.__dict__.values()), modeled_us=us) for us, _, b in walked])
+    for us, need, blocks in sorted(walked, key=lambda w: (w[0], w[1])):
+        table[generation][key] = blocks
+        try:
+            report = tpu_compile.compile_for(fresh(fn), [(x.shape, x.dtype) for x in args], generation, "ragged_dot_tpu")
+        except Exception as err:  # noqa: BLE001  (too big for VMEM, or a Mosaic limit: try the next)
+            record.setdefault("rejected", []).append(dict(blocks=list(blocks.__dict__.values()),
+                                                          error=str(err).splitlines()[0][:200]))
+            continue
+        finally:
+            del table[generation][key]
+        (kernel_report,) = report.kernels.values()
+        limit = tuning.vmem_limit(need, generation)
+        if kernel_report.vmem_bytes > limit:
+            record.setdefault("rejected", []).append(dict(blocks=list(blocks.__dict__.values()),
+                                                          error=f"VMEM {kernel_report.vmem_bytes} > limit {limit}"))
+            continue
+        rule_us = next(u for u, _, b in walked if b == rule)
+        record.update(blocks=list(blocks.__dict__.values()), modeled_us=us, rule_modeled_us=rule_us,
+                      vmem_used=kernel_report.vmem_bytes, vmem_limit=limit)
+        return record
+    raise RuntimeError(f"no candidate compiled for {record}")
+
+
+def write_table(path: Path = TABLE) -> None:
+    """Regenerates tuned_blocks.py from every tuning_<generation>.json."""
+    tables = {"forward": {g: {} for g in GENERATIONS}, "weight_grad": {g: {} for g in GENERATIONS}}
+    for generation in GENERATIONS:
+        file = RESULTS / f"tuning_{generation}.json"
+        for r in json.loads(file.read_text()) if file.exists() else []:
+            tables[r["kind"]][generation][tuple(r["key"])] = r
+    lines = [
+        '"""Tuned block sizes, per TPU generation: GENERATED by `make tune` (bench/tune.py)',
+        "from bench/results/tuning_<generation>.json. Do not edit by hand.",
+        "",
+        "Key: (rows, K, N, groups, itemsize) for the grouped matmul, (rows, P, Q, groups,",
+        "itemsize) for the weights' gradient. Each entry is the block choice with the lowest",
+        "MODELED time among the cost model's best, counted by the bench's grid walk, and was",
+        "compiled by libtpu for its generation (VMEM used / limit in the comment).",
+        '"""',
+        "",
+        "from .kernel import BlockSizes as B",
+        "",
+    ]
+    for kind, name in (("forward", "TUNED"), ("weight_grad", "TUNED_WEIGHT_GRAD")):
+        lines.append(f"{name} = {{")
+        for generation, entries in tables[kind].items():
+            lines.append(f"    {generation!r}: {{")
+            for key, r in sorted(entries.items()):
+                lines.append(f"        {key}: B{tuple(r['blocks'])},  # {r['model']} {r['tokens']} tok, "
+                             f"{r['modeled_us']:.1f} us, VMEM {r['vmem_used'] / 2**20:.1f}/{r['vmem_limit'] / 2**20:.1f} MiB")
+            lines.append("    },")
+        lines.append("}")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=[s.model for s in bench.MOE_SHAPES])
+    parser.add_argument("--generations", nargs="*", default=list(GENERATIONS), choices=list(GENERATIONS))
+    parser.add_argument("--tokens", nargs="*", type=int, default=DECODE_TOKENS + PREFILL_TOKENS)
+    args = parser.parse_args(argv)
+    shapes = [s for s in bench.MOE_SHAPES if s.model in args.models]
+    start = time.perf_counter()
+    for generation in args.generations:
+        file = RESULTS / f"tuning_{generation}.json"
+        records = json.loads(file.read_text()) if file.exists() else []
+        done = {(r["kind"], tuple(r["key"])) for r in records}
+        for shape in shapes:
+            for tokens in args.tokens:
+                training = tokens >= PREFILL_TOKENS[0]  # training steps run prefill-sized batches
+                for call in grouped_matmuls(shape, tokens, generation, training):
+                    key = (call[0], call_fn(call, shape.experts, generation)[2])
+                    if key in done:  # another model or bucket had the same matmul
+                        continue
+                    record = tune_call(shape, tokens, call, generation)
+                    done.add(key)
+                    records.append(record)
+                    file.write_text(json.dumps(records, indent=1))
+                    write_table()
+                    print(f"{generation} {shape.model} {tokens} tok {record['kind']} {record['key']}: "
+                          f"{record['blocks']} {record['modeled_us']:.1f} us (rule {record['rule_modeled_us']:.1f}) "
+                          f"[{time.perf_counter() - start:.0f} s]", flush=True)
+    write_table()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The shipped tuning tables: every entry is looked up by a real model, fits
+its generation's VMEM, and compiles there.
+
+CI compiles a sample (per generation, the forward and the weights' gradient
+entry with the largest buffers); `make check-tuned` compiles every entry.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import bench
+import tpu_compile
+import tune
+from ragged_dot import ops, tuning
+from runtime.generations import GENERATIONS
+
+KINDS = {"forward": (tuning.TUNED, tuning.forward_buffers),
+         "weight_grad": (tuning.TUNED_WEIGHT_GRAD, tuning.weight_grad_buffers)}
+
+
+def entries():
+    return [(kind, gen, key, blocks) for kind, (table, _) in KINDS.items()
+            for gen, by_key in table.items() for key, blocks in by_key.items()]
+
+
+def sample():
+    """Per generation and kind, the entry with the largest buffers."""
+    biggest = {}
+    for kind, gen, key, blocks in entries():
+        need = KINDS[kind][1](blocks, key[-1])
+        if need > biggest.get((kind, gen), (0,))[0]:
+            biggest[(kind, gen)] = (need, key, blocks)
+    return [(kind, gen, key, blocks) for (kind, gen), (_, key, blocks) in sorted(biggest.items())]
+
+
+def test_every_generation_has_entries_for_every_model():
+    for kind, (table, _) in KINDS.items():
+        for gen in GENERATIONS:
+            groups = {key[3] for key in table[gen]}
+            assert groups >= {s.experts for s in bench.MOE_SHAPES}, (kind, gen, groups)
+
+
+@pytest.mark.parametrize("kind,generation,key,blocks", entries())
+def test_entry_fits_its_generation(kind, generation, key, blocks):
+    rows, k, n, groups, itemsize = key
+    need = KINDS[kind][1](blocks, itemsize)
+    assert need <= tuning.max_buffers(generation)
+    assert tuning.vmem_limit(need, generation) <= GENERATIONS[generation].vmem_bytes
+    # Mosaic's block rules: multiples of 128 (or the whole dim) on K and N,
+    # of 16 rows (bf16 packing) on M.
+    assert blocks.block_m % 16 == 0
+    for block, dim in ((blocks.block_k, k), (blocks.block_n, n)):
+        assert block % 128 == 0 or block == dim, (blocks, key)
+
+
+@pytest.mark.parametrize("shape", bench.MOE_SHAPES, ids=lambda s: s.model)
+def test_models_look_up_the_table_and_the_bench_benches_those_keys(shape):
+    """A training step at 8192 tokens hits only tuned entries, and the bench's
+    passes (in the model's weight layout) are exactly those matmuls."""
+    generation, tokens = "v6e", 8192
+    rows = tokens * shape.top_k
+    traced = set()
+    for call in tune.grouped_matmuls(shape, tokens, generation, training=True):
+        _, table, key, _, _ = tune.call_fn(call, shape.experts, generation)
+        assert key in table[generation], (call, key)
+        traced.add((table is tuning.TUNED, key))
+    benched = set()
+    for _, k, n in bench.matmuls(shape):
+        for pass_name in bench.PASSES:
+            a, b = bench.pass_operands(pass_name, rows, k, n, shape.experts, shape.gpt_oss_layout)
+            if pass_name == "dw":
+                benched.add((False, (rows, a[1], b[1], shape.experts, 2)))
+            else:
+                transpose = (pass_name == "fwd") != shape.gpt_oss_layout
+                benched.add((True, (rows, a[1], b[1] if transpose else b[2], shape.experts, 2)))
+    assert benched == traced
+
+
+CHECK_ALL = os.environ.get("RAGGED_DOT_CHECK_ALL_TUNED") == "1"
+
+
+@pytest.mark.parametrize("kind,generation,key,blocks", entries() if CHECK_ALL else sample())
+def test_entry_compiles_on_its_generation(kind, generation, key, blocks):
+    """Compiled through the real lookup (ops picks the entry itself), within
+    the VMEM limit the kernel asks for."""
+    rows, k, n, groups, itemsize = key
+    dtype = jnp.bfloat16 if itemsize == 2 else jnp.float32
+    if kind == "forward":
+        specs = [((rows, k), dtype), ((groups, n, k), dtype), ((groups,), jnp.int32)]
+        fn = lambda a, b, g: ops._forward(a, b, g, True, generation, False)
+        assert tuning.choose_blocks(rows, k, n, groups, generation, itemsize) == blocks
+    else:
+        specs = [((rows, k), dtype), ((rows, n), dtype), ((groups,), jnp.int32)]
+        fn = lambda a, b, g: ops._weight_grad(a, b, g, dtype, generation, False)
+        assert tuning.choose_weight_grad_blocks(rows, k, n, groups, generation, itemsize) == blocks
+    report = tpu_compile.compile_for(fn, specs, generation, "ragged_dot_tpu")
+    (used,) = [r.vmem_bytes for r in report.kernels.values()]
+    assert used <= tuning.vmem_limit(KINDS[kind][1](blocks, itemsize), generation), (used, blocks)
