@@ -345,9 +345,10 @@ def transposed_grouped_matmul(
     """out[g] = a[rows of g]^T @ b[rows of g]: [M, P], [M, Q] -> [G, P, Q].
 
     The weights' gradient of a grouped matmul (megablox calls it tgmm).
-    Grid (P tiles, Q tiles, visits): each output block accumulates over its
-    group's row windows (`make_weight_grad_visits`) and is written once, at
-    the group's last visit; empty groups get one visit that writes zeros.
+    Grid (P tiles and Q tiles, in the order below, then visits): each
+    output block accumulates over its group's row windows
+    (`make_weight_grad_visits`) and is written once, at the group's last
+    visit; empty groups get one visit that writes zeros.
     Here block_m is the window's rows, block_k tiles P and block_n tiles Q;
     edge blocks past P or Q are clipped on write. sub_rows: rows per MXU
     pass (its contraction width).
@@ -373,14 +374,21 @@ def transposed_grouped_matmul(
     # need not be a multiple of 128) always starts at 0.
     column = lambda tile, block, dim: 0 if block >= dim else tile * block
 
-    def a_map(pp, qq, v, visit_group, window, own_start, own_end, num_visits):
-        return pl.multiple_of(window[v], align), column(pp, bp, p)
+    # Grid (outer tile, inner tile, visit). When one window holds every row,
+    # the outer tile's input is read once and the inner one's once per outer
+    # tile: put the side that costs less to re-read inside.
+    p_tiles, q_tiles = pl.cdiv(p, bp), pl.cdiv(q, bq)
+    p_outer = p + q * p_tiles <= q + p * q_tiles
+    tiles = (lambda i, j: (i, j)) if p_outer else (lambda i, j: (j, i))  # -> (P tile, Q tile)
 
-    def b_map(pp, qq, v, visit_group, window, own_start, own_end, num_visits):
-        return pl.multiple_of(window[v], align), column(qq, bq, q)
+    def a_map(i, j, v, visit_group, window, own_start, own_end, num_visits):
+        return pl.multiple_of(window[v], align), column(tiles(i, j)[0], bp, p)
 
-    def out_map(pp, qq, v, visit_group, window, own_start, own_end, num_visits):
-        return visit_group[v], pp, qq
+    def b_map(i, j, v, visit_group, window, own_start, own_end, num_visits):
+        return pl.multiple_of(window[v], align), column(tiles(i, j)[1], bq, q)
+
+    def out_map(i, j, v, visit_group, window, own_start, own_end, num_visits):
+        return visit_group[v], *tiles(i, j)
 
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     itemsize = jnp.dtype(a.dtype).itemsize
@@ -389,7 +397,7 @@ def transposed_grouped_matmul(
         out_shape=jax.ShapeDtypeStruct((num_groups, p, q), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
-            grid=(pl.cdiv(p, bp), pl.cdiv(q, bq), prefetch[-1][0]),
+            grid=(*tiles(p_tiles, q_tiles), prefetch[-1][0]),
             in_specs=[pl.BlockSpec((pl.Element(bm), pl.Element(bp)), a_map),
                       pl.BlockSpec((pl.Element(bm), pl.Element(bq)), b_map)],
             out_specs=pl.BlockSpec((None, bp, bq), out_map),

@@ -65,12 +65,12 @@ def test_weight_grad_no_race_no_out_of_bounds(interpreter, group_sizes, at_group
     parallel axes split over the simulated cores; empty groups must still
     be written (uninitialised memory reads as NaN here)."""
     rng = np.random.default_rng(1)
-    m, p, q = 144, 512, 256
+    m, p, q = 144, 256, 512  # 2 x 2 tiles, Q tiles outside (see transposed_grouped_matmul)
     a = jnp.asarray(rng.standard_normal((m, p)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((m, q)), jnp.bfloat16)
     gs = jnp.asarray(group_sizes, jnp.int32)
     out = kernel.transposed_grouped_matmul(
-        a, b, gs, blocks=kernel.BlockSizes(48, 256, 128, windows_at_group_start=at_group_start),
+        a, b, gs, blocks=kernel.BlockSizes(48, 128, 256, windows_at_group_start=at_group_start),
         out_dtype=jnp.bfloat16, vmem_limit=32 << 20, sub_rows=16, interpret=interpreter)
     assert tpu_interpreter.races.races_found is False
     out = np.asarray(out.astype(jnp.float32))
@@ -115,13 +115,17 @@ def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
     gen = GENERATIONS[generation]
     assert report.device_kind.startswith(gen.device_kind_prefixes)
     assert len(report.kernels) == 2, report.kernels  # gate_up and down grouped matmuls
-    for name, (rows, kk, n) in zip(sorted(report.kernels), [(tokens * k, h, 2 * i), (tokens * k, i, h)]):
+    needs = []
+    for rows, kk, n in [(tokens * k, h, 2 * i), (tokens * k, i, h)]:
         blocks = tuning.choose_blocks(rows, kk, n, e, generation)
-        used = report.kernels[name].vmem_bytes
-        # Within the scoped limit the kernel asks Mosaic for, and within the chip.
-        assert used <= tuning.vmem_limit(tuning.forward_buffers(blocks, 2), generation) <= gen.vmem_bytes, (name, used)
-        # The report is this kernel's: about the size of our double-buffered blocks.
-        assert used >= 0.5 * kernel.vmem_bytes(blocks, 2, jnp.bfloat16), (name, used, blocks)
+        # Compiling at all proves each kernel fits the limit it asks for; that limit fits the chip.
+        assert tuning.vmem_limit(tuning.forward_buffers(blocks, 2), generation) <= gen.vmem_bytes, blocks
+        needs.append(kernel.vmem_bytes(blocks, 2, jnp.bfloat16))
+    used = sorted(r.vmem_bytes for r in report.kernels.values())
+    # The report is the program's VMEM at each kernel (XLA's own scoped VMEM may be
+    # live alongside): within the chip, and at least about our double-buffered blocks.
+    assert used[-1] <= gen.vmem_bytes, used
+    assert all(u >= 0.5 * need for u, need in zip(used, sorted(needs))), (used, needs)
 
 
 @pytest.mark.parametrize("tokens", [64, 8192], ids=["decode64", "prefill8192"])

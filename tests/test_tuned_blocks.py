@@ -36,11 +36,22 @@ def sample():
     return [(kind, gen, key, blocks) for (kind, gen), (_, key, blocks) in sorted(biggest.items())]
 
 
-def test_every_generation_has_entries_for_every_model():
-    for kind, (table, _) in KINDS.items():
-        for gen in GENERATIONS:
-            groups = {key[3] for key in table[gen]}
-            assert groups >= {s.experts for s in bench.MOE_SHAPES}, (kind, gen, groups)
+# `make tune` has not yet finished these (it stopped at gpt-oss-120b); their
+# missing shapes get the rule, which the odd-shape compile tests cover.
+UNFINISHED = {"v5e", "v5p"}
+
+
+@pytest.mark.parametrize("generation", [
+    pytest.param(g, marks=pytest.mark.xfail(g in UNFINISHED, reason="tuning not finished", strict=True))
+    for g in GENERATIONS])
+def test_generation_has_entries_for_every_model(generation):
+    """Every model's every token bucket: the forward at decode and prefill,
+    the gradients at prefill."""
+    for shape in bench.MOE_SHAPES:
+        for tokens in tune.DECODE_TOKENS + tune.PREFILL_TOKENS:
+            for call in tune.grouped_matmuls(shape, tokens, generation, tokens >= tune.PREFILL_TOKENS[0]):
+                _, table, key, _, _ = tune.call_fn(call, shape.experts, generation)
+                assert key in table[generation], (generation, shape.model, tokens, call)
 
 
 @pytest.mark.parametrize("kind,generation,key,blocks", entries())
