@@ -7,7 +7,6 @@ entry with the largest buffers); `make check-tuned` compiles every entry.
 
 import os
 
-import jax
 import jax.numpy as jnp
 import pytest
 
