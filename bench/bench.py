@@ -290,15 +290,8 @@ def goal_lines(results: list[dict]) -> list[str]:
         lines.append(f"- {title}: {len(rows) - len(misses)} of {len(rows)} rows meet it"
                      + ("." if not misses else "; not met:"))
         lines += [f"  - {name(r)}: {value(r)}" for r in misses]
-    lines += ["", ANCHOR_WHY, "", ROOFLINE_WHY]
+    lines += ["", ROOFLINE_WHY]
     return lines
-
-
-ANCHOR_WHY = """\
-Where ours trails an anchor it is by under 1%, in the weights' gradient at decode sizes with gpt-oss's
-hidden 2880: our windows are element-indexed and must lie inside the inputs, so a Q block that does not
-divide 2880 makes us pad the input's columns first (a copy, counted here), where megablox masks the edge
-block inside its kernel."""
 
 
 ROOFLINE_WHY = """\

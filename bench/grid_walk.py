@@ -8,8 +8,9 @@ TPU pipeline does:
 - HBM traffic: an operand's block is copied in (or an output's written
   back) whenever its block index (or element offset, for `pl.Element`
   dims) differs from the previous grid step's; each copy moves the block
-  clipped to the array's bounds. Block shapes and index maps are read
-  from the pallas_call, not written by hand.
+  clipped to the array's bounds (an element window's padding is not
+  read). Block shapes and index maps are read from the pallas_call, not
+  written by hand.
 - MXU work: each `dot_general` in the kernel body counts at its shapes
   padded to the MXU (rows to 8, contraction and columns to the MXU width),
   on the grid steps where it runs: a dot under `pl.when(cond)` counts on
@@ -116,17 +117,17 @@ def _grid_points(grid):
 
 
 def _block_dims(block_mapping):
-    """(block size, index is an element offset) per dim."""
+    """(block size, index is an element offset, padding before the array) per dim."""
     dims = []
     for dim in block_mapping.block_shape:
         if isinstance(dim, pallas_core.Squeezed) or dim is None:
-            dims.append((1, False))
+            dims.append((1, False, 0))
         elif isinstance(dim, pallas_core.Blocked):
-            dims.append((dim.block_size, False))
-        elif isinstance(dim, pallas_core.Element) and dim.padding == (0, 0):
-            dims.append((dim.block_size, True))
+            dims.append((dim.block_size, False, 0))
+        elif isinstance(dim, pallas_core.Element):
+            dims.append((dim.block_size, True, dim.padding[0]))
         elif isinstance(dim, int):
-            dims.append((dim, False))
+            dims.append((dim, False, 0))
         else:
             raise NotImplementedError(f"block dim {dim!r}")
     return dims
@@ -162,13 +163,16 @@ def _block_indices(block_mapping, points, prefetch):
 
 def _copy_bytes(block_mapping, indices):
     """Bytes per copy at each step where the block index changes."""
-    dims, is_element = (np.asarray(x) for x in zip(*_block_dims(block_mapping)))
+    dims, is_element, pad_low = (np.asarray(x) for x in zip(*_block_dims(block_mapping)))
     shape = block_mapping.array_aval.shape
     itemsize = np.dtype(block_mapping.array_aval.dtype).itemsize
     changed = np.ones(len(indices), bool)
     changed[1:] = np.any(indices[1:] != indices[:-1], axis=1)
-    starts = np.where(is_element, indices[changed], indices[changed] * dims)
-    sizes = np.minimum(dims, np.maximum(np.asarray(shape) - starts, 0))
+    # Element windows may hang over padding on either side: only the part
+    # inside the array is copied.
+    starts = np.where(is_element, indices[changed] - pad_low, indices[changed] * dims)
+    ends = np.minimum(starts + dims, np.asarray(shape))
+    sizes = np.maximum(ends - np.maximum(starts, 0), 0)
     return int(np.prod(sizes, axis=1).sum()) * itemsize
 
 

@@ -353,11 +353,9 @@ def transposed_grouped_matmul(
     edge blocks past P or Q are clipped on write. sub_rows: rows per MXU
     pass (its contraction width).
 
-    The windows are element-indexed and must lie inside a and b, so their
-    rows are padded to what the windows need (at group starts: a multiple
-    of ROW_ALIGN, at least block_m; fixed tiles: whole tiles) and, when a P
-    or Q block does not divide it, their columns to whole blocks: a copy,
-    which the tuning's cost model charges.
+    The windows are element-indexed; past the inputs' last row (up to
+    `weight_grad_rows`) and last column they read unspecified values, which
+    the kernel never lets reach a stored output element.
     """
     m, p = a.shape
     q = b.shape[1]
@@ -365,10 +363,14 @@ def transposed_grouped_matmul(
     bm, bp, bq = blocks.block_m, blocks.block_k, blocks.block_n
     assert b.shape[0] == m and bm % ROW_ALIGN == 0 and bm % min(bm, sub_rows) == 0, (a.shape, b.shape, blocks)
     rows = weight_grad_rows(m, blocks)
-    a = jnp.pad(a, ((0, rows - m), (0, -p % bp))) if (rows - m) or p % bp else a
-    b = jnp.pad(b, ((0, rows - m), (0, -q % bq))) if (rows - m) or q % bq else b
     align = ROW_ALIGN if blocks.windows_at_group_start else bm
     prefetch = make_weight_grad_visits(group_sizes, rows, bm, align)
+
+    # Windows may run past the last row (the kernel masks rows outside the
+    # visit) and past the last column (those only reach output elements
+    # clipped on write): the arrays count as padded with unspecified
+    # values, so nothing is copied.
+    windows = lambda block, dim: (pl.Element(bm, (0, rows - m)), pl.Element(block, (0, -dim % block)))
 
     # Element offsets Mosaic can prove aligned: a whole-dim block (which
     # need not be a multiple of 128) always starts at 0.
@@ -398,8 +400,7 @@ def transposed_grouped_matmul(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(*tiles(p_tiles, q_tiles), prefetch[-1][0]),
-            in_specs=[pl.BlockSpec((pl.Element(bm), pl.Element(bp)), a_map),
-                      pl.BlockSpec((pl.Element(bm), pl.Element(bq)), b_map)],
+            in_specs=[pl.BlockSpec(windows(bp, p), a_map), pl.BlockSpec(windows(bq, q), b_map)],
             out_specs=pl.BlockSpec((None, bp, bq), out_map),
             scratch_shapes=[pltpu.VMEM((bp, bq), jnp.float32)],
         ),

@@ -17,7 +17,7 @@ import functools
 
 from ._shared.generations import GENERATIONS, modeled_time
 from ._shared.tuning import lookup, round_up
-from .kernel import ROW_ALIGN, SUB_M, BlockSizes, vmem_bytes, weight_grad_rows
+from .kernel import ROW_ALIGN, SUB_M, BlockSizes, vmem_bytes
 
 from .tuned_blocks import TUNED, TUNED_WEIGHT_GRAD  # generation -> {shape key: BlockSizes}
 
@@ -73,12 +73,7 @@ def modeled_weight_grad_seconds(rows, p, q, groups, blocks: BlockSizes, generati
     visits = windows + groups - active  # empty groups: one visit writing zeros
     hbm = itemsize * (read_rows * (p * q_tiles + q * p_tiles) + groups * p * q)
     flops = 2 * passes * round_up(sub, gen.mxu_width) * round_up(bp, 8) * round_up(bq, gen.mxu_width) * p_tiles * q_tiles
-    # Inputs the windows cannot read in place are padded first: a copy.
-    padded_rows = weight_grad_rows(rows, blocks)
-    copies = sum(rows * dim + padded_rows * round_up(dim, block)
-                 for dim, block in ((p, bp), (q, bq)) if padded_rows != rows or dim % block)
-    kernel = modeled_time(gen, flops, hbm, p_tiles * q_tiles * visits, p_tiles * q_tiles)["total"]
-    return kernel + itemsize * copies / gen.hbm_bytes_per_s
+    return modeled_time(gen, flops, hbm, p_tiles * q_tiles * visits, p_tiles * q_tiles)["total"]
 
 
 def ranked_blocks(model, buffers, rows, k, n, groups, generation, itemsize, budget) -> list[BlockSizes]:

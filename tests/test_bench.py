@@ -72,14 +72,14 @@ def test_inactive_experts_weights_are_never_read():
     assert cost.work_steps == 5 and cost.dot_flops == 5 * 2 * 16 * k * n
 
 
-def test_weight_grad_windows_and_padding_copies_are_counted():
+def test_weight_grad_windows_are_counted_in_place():
     """The weights' gradient with windows at group starts: element-indexed
     windows are counted at their offsets (a group's first window re-reads
-    the previous group's last rows), MXU passes past a group's rows are
-    skipped, and the column padding for a Q block that does not divide Q is
-    counted as a copy outside the kernel."""
-    rows, p, q = 256, 128, 200  # Q = 200 in 128-wide blocks: b is padded to 256 columns
-    sizes = np.array([100, 0, 156], np.int32)
+    the previous group's last rows) and clipped to the inputs (the windows
+    hang over the last row and column instead of the inputs being padded:
+    no copy), and MXU passes past a group's rows are skipped."""
+    rows, p, q = 250, 128, 200  # Q = 200 in 128-wide blocks: the second Q tile reads 72 columns
+    sizes = np.array([100, 0, 150], np.int32)
 
     def fn(a, b, gs):
         return kernel.transposed_grouped_matmul(
@@ -89,18 +89,19 @@ def test_weight_grad_windows_and_padding_copies_are_counted():
     args = (jax.ShapeDtypeStruct((rows, p), jnp.bfloat16), jax.ShapeDtypeStruct((rows, q), jnp.bfloat16),
             jnp.asarray(sizes))
     (cost,), copies = grid_walk.kernel_costs_and_copies(fn, args, mxu_width=256)
-    assert copies == 2 * (rows * q + rows * 256)  # read b, write it padded
-    # Windows: group 0 at row 0; group 2 starts at 100 -> 96, then 224 slides back to 128.
-    # Empty group 1 (one visit, window 96 after group 0's 0) and group 2's first
-    # window share offset 96, so the a/b copy happens at 0, 96, 128 per Q tile.
-    windows_read = 3 * 128
-    q_tiles = 2
+    assert copies == 0
+    # Windows need 256 rows: group 0 at row 0; group 2 starts at 100 -> 96, then
+    # 224 slides back to 128 (rows 128-249 exist). Empty group 1 (one visit,
+    # window 96 after group 0's 0) and group 2's first window share offset 96,
+    # so the a/b copies happen at 0, 96, 128 per (P tile, Q tile).
+    rows_read = 128 + 128 + 122
+    # P is one tile and outside the Q tiles: a is re-read per Q tile, b read once.
     in_bytes = {k: v for k, v in cost.bytes_by_operand.items() if k.startswith("in")}
-    assert sorted(in_bytes.values()) == sorted([2 * windows_read * p * q_tiles, 2 * windows_read * 128 * q_tiles])
+    assert sorted(in_bytes.values()) == sorted([2 * rows_read * p * 2, 2 * rows_read * q])
     # Passes of 64 rows: group 0's window 0 owns rows 0-99 (passes 0, 64); group 2's
-    # window 96 owns 100-223 (passes 96, 160), its window 128 owns 224-255 (pass 192
+    # window 96 owns 100-223 (passes 96, 160), its window 128 owns 224-249 (pass 192
     # only). 5 passes per Q tile, each contraction padded to 256.
-    assert cost.mxu_flops == 5 * q_tiles * 2 * 128 * 256 * 256
+    assert cost.mxu_flops == 5 * 2 * 2 * 128 * 256 * 256
 
 
 def test_bench_writes_modeled_table_and_chart(tmp_path):

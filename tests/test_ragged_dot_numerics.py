@@ -86,8 +86,8 @@ def test_blocks_that_do_not_divide_k_and_n(transpose_rhs):
     out = kernel.grouped_matmul(lhs, rhs, gs, blocks=blocks, transpose_rhs=transpose_rhs, out_dtype=jnp.float32,
                                 vmem_limit=32 << 20, interpret=True)
     _assert_close(out, reference.ragged_dot(lhs, rhs, gs, transpose_rhs=transpose_rhs), jnp.float32)
-    # The weights' gradient pads its inputs' columns to whole blocks (its
-    # windows must lie inside them); the output's edge blocks are clipped.
+    # The weights' gradient's windows hang over the inputs' last columns
+    # (unspecified values that reach only output elements clipped on write).
     b = jnp.asarray(np.random.default_rng(3).standard_normal((m, n)), jnp.float32)
     for at_group_start in (True, False):
         grad = kernel.transposed_grouped_matmul(

@@ -61,11 +61,13 @@ def test_sub_blocked_tiles_no_race(interpreter):
 @pytest.mark.parametrize("group_sizes", [[1, 60, 0, 50], [0, 0, 0, 0], [0, 131, 0, 0]], ids=["ragged", "empty", "one"])
 def test_weight_grad_no_race_no_out_of_bounds(interpreter, group_sizes, at_group_start):
     """The transposed grouped matmul (weights' gradient), windows at group
-    starts (the last one slides back inside M) or at fixed tiles: two
-    parallel axes split over the simulated cores; empty groups must still
-    be written (uninitialised memory reads as NaN here)."""
+    starts (the last one slides back) or at fixed tiles: two parallel axes
+    split over the simulated cores; empty groups must still be written.
+    Uninitialised memory reads as NaN here, and so does the padding the
+    windows hang over past the last row (139 rows, windows need 144) and
+    column (P = 200, Q = 300): none of it may reach the output."""
     rng = np.random.default_rng(1)
-    m, p, q = 144, 256, 512  # 2 x 2 tiles, Q tiles outside (see transposed_grouped_matmul)
+    m, p, q = 139, 200, 300  # 2 x 2 tiles, Q tiles outside (see transposed_grouped_matmul)
     a = jnp.asarray(rng.standard_normal((m, p)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((m, q)), jnp.bfloat16)
     gs = jnp.asarray(group_sizes, jnp.int32)

@@ -35,22 +35,17 @@ def sample():
     return [(kind, gen, key, blocks) for (kind, gen), (_, key, blocks) in sorted(biggest.items())]
 
 
-# `make tune` has not yet finished these (it stopped at gpt-oss-120b); their
-# missing shapes get the rule, which the odd-shape compile tests cover.
-UNFINISHED = {"v5e", "v5p"}
-
-
-@pytest.mark.parametrize("generation", [
-    pytest.param(g, marks=pytest.mark.xfail(g in UNFINISHED, reason="tuning not finished", strict=True))
-    for g in GENERATIONS])
+@pytest.mark.parametrize("generation", GENERATIONS)
 def test_generation_has_entries_for_every_model(generation):
     """Every model's every token bucket: the forward at decode and prefill,
-    the gradients at prefill."""
+    the gradients at prefill; or the tuning's record that the matmul's
+    operands overflow the chip's HBM (then no block choice runs it there)."""
+    too_big = tune.too_big_for_hbm(generation)
     for shape in bench.MOE_SHAPES:
         for tokens in tune.DECODE_TOKENS + tune.PREFILL_TOKENS:
             for call in tune.grouped_matmuls(shape, tokens, generation, tokens >= tune.PREFILL_TOKENS[0]):
                 _, table, key, _, _ = tune.call_fn(call, shape.experts, generation)
-                assert key in table[generation], (generation, shape.model, tokens, call)
+                assert key in table[generation] or (call[0], key) in too_big, (generation, shape.model, tokens, call)
 
 
 @pytest.mark.parametrize("kind,generation,key,blocks", entries())
