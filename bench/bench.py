@@ -203,18 +203,25 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
     return results
 
 
+def case_of(r: dict) -> tuple:
+    """The benchmark case a row measures; with its implementation, the row's identity."""
+    return r["model"], r["phase"], r["matmul"], r["pass_"], r["generation"]
+
+
 def ratio_rows(results: list[dict]) -> None:
-    """Adds ours / best anchor (modeled time) and ours / roofline to our rows."""
-    key = lambda r: (r["model"], r["phase"], r["matmul"], r["pass_"], r["generation"])
+    """Sets ours / best anchor (modeled time) and ours / roofline on our rows,
+    from the rows present now (a ratio left from earlier rows is dropped)."""
     best_anchor = {}
     for r in results:
         # An anchor that libtpu refuses (megablox takes no VMEM limit: our larger tiles can overflow its
         # default scoped VMEM) is no competitor.
         if r["impl"] != "ours" and "modeled_us" in r and r.get("compiles") is not False:
-            best_anchor[key(r)] = min(best_anchor.get(key(r), float("inf")), r["modeled_us"])
+            best_anchor[case_of(r)] = min(best_anchor.get(case_of(r), float("inf")), r["modeled_us"])
     for r in results:
-        if r["impl"] == "ours" and "modeled_us" in r and key(r) in best_anchor:
-            r["ratio_vs_best_anchor"] = r["modeled_us"] / best_anchor[key(r)]
+        if r["impl"] == "ours":
+            r.pop("ratio_vs_best_anchor", None)
+        if r["impl"] == "ours" and "modeled_us" in r and case_of(r) in best_anchor:
+            r["ratio_vs_best_anchor"] = r["modeled_us"] / best_anchor[case_of(r)]
         if r["impl"] == "ours" and "modeled_us" in r:
             gen = GENERATIONS[r["generation"]]
             bound = max(r["min_flops"] / gen.bf16_flops, r["min_bytes"] / gen.hbm_bytes_per_s) * 1e6
@@ -404,13 +411,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     if args.merge:
-        case = lambda r: (r["model"], r["phase"], r["matmul"], r["pass_"], r["generation"], r["impl"])
         merged = {}
         for path in [args.out / "ragged_dot.json", *args.merge]:
-            merged.update({case(r): r for r in (json.loads(path.read_text()) if path.exists() else [])})
+            merged.update({(*case_of(r), r["impl"]): r for r in (json.loads(path.read_text()) if path.exists() else [])})
         results = list(merged.values())
-        for r in results:  # recomputed from the merged rows
-            r.pop("ratio_vs_best_anchor", None)
         ratio_rows(results)
         (args.out / "ragged_dot.json").write_text(json.dumps(sorted(results, key=row_order), indent=1))
         write_markdown(results, args.out / "ragged_dot.md")
@@ -426,9 +430,9 @@ def main(argv=None) -> int:
              for g in args.generations]
     results, start = [], time.perf_counter()
     if args.append and (args.out / "ragged_dot.json").exists():
-        redone = {(s.model, p, ps, g, i) for s, p, _, ps, g in cases for i in args.impls}
+        redone = {(s.model, p, m[0], ps, g, i) for s, p, m, ps, g in cases for i in args.impls}
         results = [r for r in json.loads((args.out / "ragged_dot.json").read_text())
-                   if (r["model"], r["phase"], r["pass_"], r["generation"], r["impl"]) not in redone]
+                   if (*case_of(r), r["impl"]) not in redone]
     for i, (shape, phase, matmul, pass_name, generation) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {shape.model} {phase} {matmul[0]} {pass_name} {generation} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)

@@ -355,7 +355,8 @@ def transposed_grouped_matmul(
 
     The windows are element-indexed; past the inputs' last row (up to
     `weight_grad_rows`) and last column they read unspecified values, which
-    the kernel never lets reach a stored output element.
+    never reach a stored output element: rows outside a visit are masked,
+    and columns past P or Q only feed output elements clipped on write.
     """
     m, p = a.shape
     q = b.shape[1]
@@ -366,10 +367,7 @@ def transposed_grouped_matmul(
     align = ROW_ALIGN if blocks.windows_at_group_start else bm
     prefetch = make_weight_grad_visits(group_sizes, rows, bm, align)
 
-    # Windows may run past the last row (the kernel masks rows outside the
-    # visit) and past the last column (those only reach output elements
-    # clipped on write): the arrays count as padded with unspecified
-    # values, so nothing is copied.
+    # Windows may overhang the last row and column (see above): no copy.
     windows = lambda block, dim: (pl.Element(bm, (0, rows - m)), pl.Element(block, (0, -dim % block)))
 
     # Element offsets Mosaic can prove aligned: a whole-dim block (which
