@@ -30,6 +30,7 @@ build: $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/bench.py $(BENCH_ARGS)
+	$(PY) bench/calibration.py measured
 
 tune: $(STAMP)
 	$(PY) bench/tune.py $(TUNE_ARGS)

@@ -17,6 +17,11 @@ TPU pipeline does:
   the steps whose condition (computed from the grid indices and scalar
   prefetch, as the kernel does) selects it.
 
+- Per step, for the pipeline model (bench/pipeline.py): the bytes fetched
+  before it, the bytes written back after it, and whether each top-level
+  `pl.when` body of the kernel runs (its condition computed the same way),
+  which selects the regions of the compiled schedule the step executes.
+
 The walk models one TensorCore's sequential order; a v5p megacore splits
 the "parallel" axes over two cores, which the time model accounts for.
 """
@@ -46,6 +51,15 @@ class KernelCost:
     mxu_flops: int  # padded to the MXU's shape
     dot_flops: int  # the dots at their block shapes, unpadded, on steps that run them
     work_steps: int  # grid steps that run at least one dot
+    # Per grid step, in the TPU's order:
+    fetch_bytes: np.ndarray  # input bytes copied in before the step
+    write_bytes: np.ndarray  # output bytes written back after it
+    # The bodies of the kernel's top-level conds (see _when_runs), one column each:
+    when_runs: np.ndarray  # bool [steps, bodies]: does each body run
+    when_known: list[bool]  # False: the condition reads VMEM data (counted as running)
+    when_has_dot: list[bool]  # whether each body holds a matmul
+    when_on_grid_only: list[bool]  # the condition reads only grid indices (the compiler may fold it)
+    dimension_semantics: tuple[str, ...]
 
 
 def _sub_jaxpr(eqn):
@@ -161,19 +175,26 @@ def _block_indices(block_mapping, points, prefetch):
     return _map_points(one, points)
 
 
-def _copy_bytes(block_mapping, indices):
-    """Bytes per copy at each step where the block index changes."""
+def _copy_bytes(block_mapping, indices, is_output: bool) -> np.ndarray:
+    """Bytes copied per grid step: an input's block before the first step
+    that uses it, an output's after the last step that writes it (where
+    the block index changes next, or at the end)."""
     dims, is_element, pad_low = (np.asarray(x) for x in zip(*_block_dims(block_mapping)))
     shape = block_mapping.array_aval.shape
     itemsize = np.dtype(block_mapping.array_aval.dtype).itemsize
     changed = np.ones(len(indices), bool)
-    changed[1:] = np.any(indices[1:] != indices[:-1], axis=1)
+    if is_output:
+        changed[:-1] = np.any(indices[1:] != indices[:-1], axis=1)
+    else:
+        changed[1:] = np.any(indices[1:] != indices[:-1], axis=1)
     # Element windows may hang over padding on either side: only the part
     # inside the array is copied.
     starts = np.where(is_element, indices[changed] - pad_low, indices[changed] * dims)
     ends = np.minimum(starts + dims, np.asarray(shape))
     sizes = np.maximum(ends - np.maximum(starts, 0), 0)
-    return int(np.prod(sizes, axis=1).sum()) * itemsize
+    per_step = np.zeros(len(indices), np.int64)
+    per_step[changed] = np.prod(sizes, axis=1) * itemsize
+    return per_step
 
 
 def _dots(jaxpr):
@@ -229,16 +250,51 @@ def _work_per_step(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width):
     return padded, unpadded
 
 
-def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
-    """Which branch the cond at `eqn_index` takes at each grid step, computed
-    from the grid indices and scalar prefetch the way the kernel does."""
+def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch):
+    """The bodies of the kernel's top-level conds, in the order Mosaic lays
+    them out, and whether each runs at each step. A `pl.when` has one body;
+    a two-way `lax.cond` has two (the true branch first, as `scf.if` puts
+    its "then" region first). A condition that reads VMEM data cannot be
+    known statically; its bodies count as running."""
+    runs, known, has_dot, on_grid_only = [], [], [], []
+    for i, eqn in enumerate(kernel_jaxpr.eqns):
+        if eqn.primitive.name != "cond":
+            continue
+        branches = eqn.params["branches"]
+        bodies = [b for b in (1, 0) if b < len(branches) and branches[b].jaxpr.eqns]
+        grid_only = not _condition_slice(kernel_jaxpr, i)[1] & set(kernel_jaxpr.invars)
+        try:
+            if len(branches) > 2:
+                raise NotImplementedError("a switch of more than two branches")
+            taken = _cond_index(kernel_jaxpr, i, num_prefetch, points, prefetch)
+            columns, ok = [taken == b for b in bodies], True
+        except NotImplementedError:
+            columns, ok = [np.ones(len(points), bool) for _ in bodies], False
+        runs += columns
+        known += [ok] * len(bodies)
+        has_dot += [bool(_dots(branches[b].jaxpr)) for b in bodies]
+        on_grid_only += [grid_only] * len(bodies)
+    runs = np.stack(runs, axis=1) if runs else np.zeros((len(points), 0), bool)
+    return runs, known, has_dot, on_grid_only
+
+
+def _condition_slice(kernel_jaxpr, eqn_index):
+    """The equations the cond at `eqn_index` computes its predicate from
+    (effects ignored), and every variable they read."""
     pred_var = kernel_jaxpr.eqns[eqn_index].invars[0]
-    # Backward slice: only the equations the condition depends on (effects ignored).
     needed, kept = {pred_var}, []
     for eqn in reversed(kernel_jaxpr.eqns[:eqn_index]):
         if any(v in needed for v in eqn.outvars):
             kept.append(eqn)
             needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return kept, needed
+
+
+def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
+    """Which branch the cond at `eqn_index` takes at each grid step, computed
+    from the grid indices and scalar prefetch the way the kernel does."""
+    pred_var = kernel_jaxpr.eqns[eqn_index].invars[0]
+    kept, needed = _condition_slice(kernel_jaxpr, eqn_index)
     if needed & set(kernel_jaxpr.invars[num_prefetch:]):
         raise NotImplementedError("a dot's condition reads VMEM data; cannot count its steps statically")
     # program_id / num_programs become inputs, so the slice runs outside a kernel.
@@ -271,11 +327,20 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
     prefetch = [jnp.asarray(v) for v in invals[:num_prefetch]]
     points = _grid_points(grid)
     by_operand = {}
+    fetch = np.zeros(len(points), np.int64)
+    write = np.zeros(len(points), np.int64)
     for i, block_mapping in enumerate(grid_mapping.block_mappings):
         indices = _block_indices(block_mapping, points, prefetch)
-        kind = "in" if i < grid_mapping.num_inputs else "out"
-        by_operand[f"{kind}{i}:{block_mapping.array_aval.str_short()}"] = _copy_bytes(block_mapping, indices)
-    padded, unpadded = _work_per_step(eqn.params["jaxpr"], num_prefetch, points, prefetch, mxu_width)
+        is_output = i >= grid_mapping.num_inputs
+        per_step = _copy_bytes(block_mapping, indices, is_output)
+        (write if is_output else fetch)[:] += per_step
+        by_operand[f"{'out' if is_output else 'in'}{i}:{block_mapping.array_aval.str_short()}"] = int(per_step.sum())
+    kernel_jaxpr = eqn.params["jaxpr"]
+    padded, unpadded = _work_per_step(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width)
+    when_runs, when_known, when_has_dot, when_on_grid_only = _when_runs(kernel_jaxpr, num_prefetch, points, prefetch)
+    params = eqn.params.get("compiler_params")
+    params = params.get("mosaic_tpu", params) if isinstance(params, dict) else params
+    semantics = tuple(getattr(params, "dimension_semantics", None) or ("arbitrary",) * len(grid))
     return KernelCost(
         name=eqn.params.get("name") or str(eqn.params.get("metadata", "")),
         grid=grid,
@@ -285,6 +350,13 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         mxu_flops=int(padded.sum()),
         dot_flops=int(unpadded.sum()),
         work_steps=int((padded > 0).sum()),
+        fetch_bytes=fetch,
+        write_bytes=write,
+        when_runs=when_runs,
+        when_known=when_known,
+        when_has_dot=when_has_dot,
+        when_on_grid_only=when_on_grid_only,
+        dimension_semantics=tuple(str(d).split(".")[-1].lower() for d in semantics),
     )
 
 

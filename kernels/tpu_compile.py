@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import tpu_schedule
+
 _DUMP_CATEGORIES = "memory-report,codegen"
 
 
@@ -50,6 +52,7 @@ def configure_environment(dump_dir: str | None = None) -> Path:
 class KernelReport:
     vmem_bytes: int  # all VMEM the compiler allocated for the kernel
     bundles: int | None  # VLIW bundles in its final schedule (static, per kernel body)
+    schedule: "tpu_schedule.Schedule | None" = None  # its final bundles, read (kernels/tpu_schedule.py)
 
 
 @dataclasses.dataclass
@@ -59,6 +62,9 @@ class CompileReport:
     compile_seconds: float
     vmem_capacity: int | None
     kernels: dict[str, KernelReport]  # keyed by the HLO op name of each Pallas kernel
+    # Every other op of the program (XLA's fusions, copies, sorts around the
+    # kernel): its schedule, keyed by HLO op name.
+    other_ops: dict[str, "tpu_schedule.Schedule"] = dataclasses.field(default_factory=dict)
 
 
 _devices = {}
@@ -75,12 +81,14 @@ def device_for(generation: str):
     return _devices[generation]
 
 
-def compile_for(fn, arg_specs, generation: str, kernel_name: str) -> CompileReport:
+def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_options: dict | None = None) -> CompileReport:
     """Compiles `fn(*args)` for one device of `generation`.
 
     arg_specs: (shape, dtype) per argument. Reports every Pallas kernel whose
     name contains `kernel_name`. Raises the compiler's error when it fails
-    (a VMEM overflow is `RESOURCE_EXHAUSTED ... vmem`).
+    (a VMEM overflow is `RESOURCE_EXHAUSTED ... vmem`). compiler_options:
+    XLA/libtpu flags for this compile only (a kernel that sets no VMEM limit
+    gets `xla_tpu_scoped_vmem_limit_kib`, as its users set it).
     """
     import jax
 
@@ -92,14 +100,14 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str) -> CompileRepo
     start = time.perf_counter()
     try:
         with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
-            jax.jit(fn).lower(*args).compile()
+            jax.jit(fn).lower(*args).compile(compiler_options=compiler_options)
         seconds = time.perf_counter() - start
-        capacity, kernels = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)
+        capacity, kernels, other_ops = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)
     finally:
         _clear(dump)  # a compile's dump can be tens of MB: keep none of it
     if not kernels:
         raise RuntimeError(f"libtpu's dump in {dump} has no VMEM report for a kernel named {kernel_name!r}")
-    return CompileReport(generation, device.device_kind, seconds, capacity, kernels)
+    return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops)
 
 
 def _clear(dump: Path) -> None:
@@ -107,8 +115,13 @@ def _clear(dump: Path) -> None:
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
+# libtpu names each op's schedule "<id>-<HLO op name>-<pass no>-final_bundles.txt";
+# programs also get pseudo-ops ("TLP", "<late-initialization>") that are not ops.
+_FINAL_BUNDLES = re.compile(r"^\d+-(.+)-\d+-final_bundles\.txt$")
+
+
 def _read_dump(dump: Path, files: list[str], kernel_name: str):
-    capacity, vmem, bundles = None, {}, {}
+    capacity, vmem, bundles, schedules = None, {}, {}, {}
     for name in files:
         path = Path(dump) / name
         if name.endswith("vmem_report.html"):
@@ -124,8 +137,10 @@ def _read_dump(dump: Path, files: list[str], kernel_name: str):
             match = re.search(r"total scheduled bundles:\s+(\d+)", path.read_text())
             if match:
                 bundles[name] = int(match.group(1))
+        elif (match := _FINAL_BUNDLES.match(name)) and not match.group(1).startswith(("TLP", "<")):
+            schedules[match.group(1)] = tpu_schedule.read_schedule(path.read_text())
     kernels = {
-        op: KernelReport(size, next((b for f, b in bundles.items() if f"-{op}-" in f), None))
+        op: KernelReport(size, next((b for f, b in bundles.items() if f"-{op}-" in f), None), schedules.get(op))
         for op, size in vmem.items()
     }
-    return capacity, kernels
+    return capacity, kernels, {op: s for op, s in schedules.items() if op not in kernels}

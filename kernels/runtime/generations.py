@@ -28,15 +28,23 @@ class Generation:
     scoped_vmem_default: int  # Mosaic's default scoped-VMEM limit
     mxu_width: int  # 128 or 256: matmul dims are padded to this
     cores_per_device: int  # TensorCores a "parallel" grid axis is split over
+    # Bundles of a compiled schedule one TensorCore issues per second, an
+    # effective clock. No TPU clock figures are public, and libtpu's bundles
+    # do not show every MXU stall, so this is calibrated: the rate at which
+    # libtpu's own schedule of a dense bf16 matmul's accumulate steps
+    # reaches the published bf16 peak per core (`python bench/calibration.py
+    # clock` derives it; tests/test_schedule_model.py checks it).
+    clock_hz: float
 
 
 GENERATIONS: dict[str, Generation] = {
     g.name: g
     for g in (
-        Generation("v5e", "v5e:2x2", ("TPU v5 lite", "TPU v5e"), 197e12, 819e9, 128 * MiB, 16 * MiB, 128, 1),
-        Generation("v5p", "v5p:2x2x1", ("TPU v5p", "TPU v5"), 459e12, 2765e9, 64 * MiB, 16 * MiB, 128, 2),
-        Generation("v6e", "v6e:2x2", ("TPU v6 lite", "TPU v6e"), 918e12, 1640e9, 128 * MiB, 32 * MiB, 256, 1),
-        Generation("tpu7x", "tpu7x:2x2x1", ("TPU7x", "TPU 7x", "TPU v7"), 2307e12 / 2, 7380e9 / 2, 64 * MiB, 32 * MiB, 256, 1),
+        Generation("v5e", "v5e:2x2", ("TPU v5 lite", "TPU v5e"), 197e12, 819e9, 128 * MiB, 16 * MiB, 128, 1, 1.413e9),
+        Generation("v5p", "v5p:2x2x1", ("TPU v5p", "TPU v5"), 459e12, 2765e9, 64 * MiB, 16 * MiB, 128, 2, 1.647e9),
+        Generation("v6e", "v6e:2x2", ("TPU v6 lite", "TPU v6e"), 918e12, 1640e9, 128 * MiB, 32 * MiB, 256, 1, 1.712e9),
+        Generation("tpu7x", "tpu7x:2x2x1", ("TPU7x", "TPU 7x", "TPU v7"), 2307e12 / 2, 7380e9 / 2, 64 * MiB, 32 * MiB, 256, 1,
+                   1.029e9),
     )
 }
 

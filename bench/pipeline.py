@@ -1,0 +1,118 @@
+"""The performance model: a kernel's time, MODELED from what the compiler produced.
+
+Inputs, both measured from the kernel itself, never written by hand:
+
+- the issue cycles of each grid step, from libtpu's final bundles for the
+  compiled kernel (kernels/tpu_schedule.py): the grid loop's iteration,
+  less the `pl.when` bodies that step skips (the grid walk computes each
+  condition per step, as the kernel does);
+- the bytes each step fetches and writes back, from the grid walk
+  (bench/grid_walk.py).
+
+They are combined as Pallas's double-buffered pipeline runs them: while
+step i computes, step i+1's inputs arrive and step i-1's output leaves, so
+
+    time = fetch(0) + sum_i max(compute(i), dma(fetch(i+1) + write(i-1))) + write(last)
+
+plus the pipeline's fill and drain iterations and the kernel's entry and
+exit code (their cycles are in the schedule too). A DMA costs its bytes at
+the device's HBM bandwidth plus a fixed latency (`DMA_LATENCY_S`). On a v5p
+megacore the leading "parallel" grid axis is split in halves over the two
+cores, which share the bandwidth.
+
+What it cannot see: stalls the static schedule does not show (bank
+conflicts, DMA queueing beyond the bandwidth share), and clock changes
+under load. bench/results/calibration.md compares it with every public
+TPU measurement we could reproduce.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.generations import GENERATIONS
+
+# Issue to completion of one step's DMAs beyond their bytes at full
+# bandwidth. Pallas's TPU guide puts the fixed cost of a grid step near
+# 0.35 us; the step's own bookkeeping cycles are already in the schedule.
+DMA_LATENCY_S = 0.3e-6
+
+
+def pipeline_seconds(compute_s: np.ndarray, fetch_bytes: np.ndarray, write_bytes: np.ndarray,
+                     bytes_per_s: float, latency_s: float = DMA_LATENCY_S) -> float:
+    """The double-buffered pipeline's time over one core's steps, in order."""
+    compute_s = np.asarray(compute_s, np.float64)
+    if compute_s.size == 0:
+        return 0.0
+    dma = lambda b: np.where(b > 0, b / bytes_per_s + latency_s, 0.0)
+    fetch, write = np.asarray(fetch_bytes), np.asarray(write_bytes)
+    # While step i computes: step i+1's fetch and step i-1's write-back.
+    overlapped = np.zeros_like(compute_s)
+    overlapped[:-1] += fetch[1:]
+    overlapped[1:] += write[:-1]
+    return float(dma(fetch[:1])[0] + np.maximum(compute_s, dma(overlapped)).sum() + dma(write[-1:])[0])
+
+
+def core_of_step(grid: tuple[int, ...], semantics: tuple[str, ...], cores: int) -> np.ndarray:
+    """Which core runs each grid step: a megacore splits the first
+    "parallel" axis longer than one into contiguous halves."""
+    steps = int(np.prod(grid))
+    axis = next((a for a, (n, s) in enumerate(zip(grid, semantics)) if s == "parallel" and n > 1), None)
+    if cores == 1 or axis is None:
+        return np.zeros(steps, np.int32)
+    index = np.indices(grid).reshape(len(grid), -1)[axis]
+    return (index * cores // grid[axis]).astype(np.int32)
+
+
+def region_runs(cost, schedule) -> np.ndarray | None:
+    """Whether each of the schedule's pl.when regions runs at each step: the
+    kernel's top-level conds in program order, matched one to one (a region
+    holds matmuls exactly when its cond's body does). Mosaic folds a cond
+    on grid indices alone that is constant over the grid (`k == 0` with one
+    k step), so those are dropped when the counts differ. None when they
+    cannot be matched."""
+    if not all(cost.when_known):
+        return None
+    runs, has_dot = cost.when_runs, np.asarray(cost.when_has_dot, bool)
+    folded = np.asarray(cost.when_on_grid_only, bool) & (runs.min(axis=0) == runs.max(axis=0))
+    varying = ~folded
+    region_dots = np.array([r.matmuls > 0 for r in schedule.regions], bool)
+    for keep in (np.ones(runs.shape[1], bool), varying):
+        if keep.sum() == len(schedule.regions) and np.array_equal(has_dot[keep], region_dots):
+            return runs[:, keep]
+    return None
+
+
+def kernel_seconds(cost, schedule, generation: str) -> dict:
+    """Modeled time of one kernel (a grid_walk.KernelCost with its compiled
+    tpu_schedule.Schedule), with the parts a reader needs to see why."""
+    gen = GENERATIONS[generation]
+    runs = region_runs(cost, schedule)
+    mapped = runs is not None
+    if not mapped:  # the regions do not line up with the kernel's pl.when: count them all as running
+        runs = np.ones((cost.grid_steps, len(schedule.regions)), bool)
+    compute = schedule.step_cycles(runs) / gen.clock_hz
+    core = core_of_step(cost.grid, cost.dimension_semantics, gen.cores_per_device)
+    active = int(core.max()) + 1
+    per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
+                                 gen.hbm_bytes_per_s / active) for c in range(active)]
+    fill_drain = schedule.fill_drain_cycles / gen.clock_hz
+    total = max(per_core) + fill_drain
+    moved = cost.fetch_bytes.sum() + cost.write_bytes.sum()
+    return {
+        "modeled": total,
+        "compute": float(compute.sum()) / active,  # issue time, split over the active cores
+        "dma": float(moved / gen.hbm_bytes_per_s),
+        "fill_drain": fill_drain,
+        "cores": active,
+        "regions_mapped": mapped,
+    }
+
+
+def around_seconds(other_ops: dict, generation: str) -> float:
+    """XLA's ops around the kernel (routing metadata, sorts, gathers,
+    padding), each run once: its scheduled cycles, or its HBM operands at
+    full bandwidth when those take longer (the cycles do not show DMA waits)."""
+    gen = GENERATIONS[generation]
+    return sum(max(s.total_cycles / gen.clock_hz, s.hbm_operand_bytes / gen.hbm_bytes_per_s)
+               for s in other_ops.values())

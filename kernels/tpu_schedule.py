@@ -1,0 +1,210 @@
+"""Reads a compiled kernel's own schedule: libtpu's final VLIW bundles.
+
+libtpu writes, for every op it compiles, the final bundles in a text file
+(`*-final_bundles.txt` in the `--xla_jf_dump_to` folder). One bundle issues
+per cycle; the scheduler has already placed every latency and unit
+conflict as empty slots, so counting the bundles a run executes gives its
+issue cycles (what it cannot see: DMA waits, which the pipeline model adds).
+
+The format, as libtpu 0.0.52 prints it:
+
+    0x41 LB: > { %a = sadd.s32 1, %b ;; ... } /* Start region 114 */
+    0xc6   : > { %7 = sbr.rel (%p10) target = $region28 }
+    0x9a8 PF: > { ... } /* Start/End empty region 28 */
+
+- `>` repeated: the loop depth; `LB` marks a loop body's first bundle.
+- `sbr.rel ... target = $regionN` branches to the bundle where region N
+  starts, after BRANCH_DELAY_SLOTS more bundles (which always run). A
+  backward branch closes a loop; a forward one skips a predicated region
+  (a `pl.when` body, or the pipeline's compute stage).
+- A static loop's trip count is the immediate of its `loop exit test`
+  compare; a loop whose bound is a register (a dynamic grid) has none.
+
+For a Pallas kernel the outermost loop is the grid loop: Mosaic flattens
+the grid into it and software-pipelines it, so it runs grid steps + 2
+iterations; the first only starts the first fetch and the last only waits
+for the last write-back, both skipping the compute stage (the largest
+forward region in the loop). The kernel body's `pl.when` regions are the
+forward regions directly inside the compute stage, in program order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+BRANCH_DELAY_SLOTS = 4  # bundles after a branch that run before it jumps (read from the dumps)
+
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(LB|LH|LE|PB|PF|CT):|\s*:)\s*(>*)\s*\{")
+_BRANCH = re.compile(r"sbr\.rel\s*(?:\([^)]*\))?\s*target = \$region(\d+)")
+_REGION_START = re.compile(r"(?:Start region|Start/End empty region) (\d+)\b")
+_EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %\w+, (\d+) /\* loop exit test")
+_OPCODE = re.compile(r"(?:=|\{|;;)\s+([a-z][\w.]*)")
+_HBM_OPERAND = re.compile(r"inlined_call_operand\.hbm \[shape: (\w+)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+             "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+@dataclasses.dataclass
+class Bundle:
+    address: int
+    marker: str | None
+    depth: int
+    text: str
+
+    def count(self, opcode_prefix: str) -> int:
+        return sum(op.startswith(opcode_prefix) for op in _OPCODE.findall(self.text))
+
+
+@dataclasses.dataclass
+class Loop:
+    start: int  # address of its first bundle
+    end: int  # one past its last (the back branch's delay slots included)
+    trip_count: int | None  # None: the bound is a register
+
+
+@dataclasses.dataclass
+class Region:
+    """Bundles a forward branch skips when taken: [start, end)."""
+
+    start: int
+    end: int
+    cycles: int  # issue cycles when it runs (inner loops times their trip counts)
+    matmuls: int  # vmatmul instructions it issues when it runs
+
+    def contains(self, other: "Region") -> bool:
+        return self.start <= other.start and other.end <= self.end and self != other
+
+
+@dataclasses.dataclass
+class Schedule:
+    """A compiled op's schedule, reduced to what the pipeline model needs."""
+
+    bundles: int  # static count
+    total_cycles: int  # the whole program: bundles times the trip counts of their loops (dynamic: once)
+    grid_loop: Loop | None
+    outside_loop_cycles: int  # entry and exit, outside the grid loop
+    iteration_cycles: int  # one grid-loop iteration with every region run
+    stage: Region | None  # the compute stage (skipped by the fill and drain iterations)
+    regions: list[Region]  # the kernel's pl.when bodies, in program order
+    matmuls: int  # vmatmul per iteration with every region run
+    weight_pushes: int  # vmatpush likewise
+    dynamic_inner_loops: int  # inner loops with no static trip count (counted once)
+    hbm_operand_bytes: int = 0  # the op's operands and results that live in HBM (XLA's ops: read or written once)
+
+    def step_cycles(self, runs: np.ndarray) -> np.ndarray:
+        """Issue cycles of each grid step. runs: bool [steps, len(regions)],
+        whether each pl.when body runs at that step."""
+        skipped = (~np.asarray(runs, bool)) @ np.array([r.cycles for r in self.regions], np.int64)
+        return self.iteration_cycles - skipped.reshape(-1) if self.regions else np.full(len(runs), self.iteration_cycles)
+
+    @property
+    def fill_drain_cycles(self) -> int:
+        """The two grid-loop iterations that only fetch or only write back, plus entry and exit."""
+        stage = self.stage.cycles if self.stage else 0
+        return self.outside_loop_cycles + 2 * (self.iteration_cycles - stage)
+
+
+def parse_bundles(text: str) -> list[Bundle]:
+    bundles = []
+    for line in text.splitlines():
+        match = _BUNDLE.match(line)
+        if match:
+            bundles.append(Bundle(int(match.group(1), 0), match.group(2), len(match.group(3)), line))
+        elif bundles:  # a comment spilling over lines
+            bundles[-1].text += "\n" + line
+    return bundles
+
+
+def hbm_operand_bytes(entry: Bundle) -> int:
+    """Bytes of the op's operands and results in HBM, from its entry bundle."""
+    total = 0
+    for dtype, dims in _HBM_OPERAND.findall(entry.text):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * _ITEMSIZE.get(dtype, 4)
+    return total
+
+
+def read_schedule(text: str) -> Schedule:
+    bundles = parse_bundles(text)
+    if not bundles:
+        raise ValueError("no bundles in the schedule text")
+    hbm_bytes = hbm_operand_bytes(bundles[0])
+    index = {b.address: i for i, b in enumerate(bundles)}
+    region_start = {}
+    for b in bundles:
+        for region in _REGION_START.findall(b.text):
+            region_start.setdefault(int(region), b.address)
+
+    loops, forward = [], []
+    for i, b in enumerate(bundles):
+        match = _BRANCH.search(b.text)
+        if not match:
+            continue
+        target = region_start.get(int(match.group(1)))
+        if target is None:  # XLA's own ops sometimes branch to a region with no start marker: not countable
+            continue
+        after = bundles[min(i + BRANCH_DELAY_SLOTS, len(bundles) - 1)].address + 1
+        if target <= b.address:
+            # Its own exit test, not an inner loop's: the one at the loop's own depth.
+            depth = bundles[index[target]].depth
+            exit_test = next((m for j in range(i, index[target] - 1, -1) if bundles[j].depth == depth
+                              for m in _EXIT_TEST.findall(bundles[j].text)), None)
+            loops.append(Loop(target, after, int(exit_test) if exit_test is not None else None))
+        else:
+            forward.append((after, target))
+
+    # The grid loop is the outermost: the one no other loop contains.
+    outermost = [l for l in loops if not any(o is not l and o.start <= l.start and l.end <= o.end for o in loops)]
+    grid_loop = max(outermost, key=lambda l: l.end - l.start) if outermost else None
+    inner = [l for l in loops if l is not grid_loop]
+    weight = np.ones(len(bundles), np.int64)  # times a bundle runs per grid-loop iteration
+    for loop in inner:
+        weight[index[loop.start]:index_of(index, bundles, loop.end)] *= loop.trip_count or 1
+    every_loop = weight.copy()  # times a bundle runs in the whole program (dynamic loops once)
+    if grid_loop is not None:
+        every_loop[index[grid_loop.start]:index_of(index, bundles, grid_loop.end)] *= grid_loop.trip_count or 1
+    is_matmul = np.array([b.count("vmatmul") for b in bundles], np.int64)
+    is_push = np.array([b.count("vmatpush") for b in bundles], np.int64)
+
+    def span(start, end):
+        return slice(index_of(index, bundles, start), index_of(index, bundles, end))
+
+    def region(start, end):
+        s = span(start, end)
+        return Region(start, end, int(weight[s].sum()), int((weight[s] * is_matmul[s]).sum()))
+
+    total = int(every_loop.sum())
+    if grid_loop is None:
+        return Schedule(len(bundles), total, None, total, 0, None, [], int((weight * is_matmul).sum()),
+                        int((weight * is_push).sum()), sum(l.trip_count is None for l in inner), hbm_bytes)
+    loop_span = span(grid_loop.start, grid_loop.end)
+    in_loop = [region(a, t) for a, t in forward if grid_loop.start <= a and t <= grid_loop.end and a < t]
+    stage = max(in_loop, key=lambda r: r.cycles, default=None)
+    direct = [r for r in in_loop if stage is not None and stage.contains(r)
+              and not any(o.contains(r) for o in in_loop if o is not stage)]
+    iteration = int(weight[loop_span].sum())
+    return Schedule(
+        bundles=len(bundles),
+        total_cycles=total,
+        grid_loop=grid_loop,
+        outside_loop_cycles=int(weight.sum()) - iteration,
+        iteration_cycles=iteration,
+        stage=stage,
+        regions=sorted(direct, key=lambda r: r.start),
+        matmuls=int((weight[loop_span] * is_matmul[loop_span]).sum()),
+        weight_pushes=int((weight[loop_span] * is_push[loop_span]).sum()),
+        dynamic_inner_loops=sum(l.trip_count is None for l in inner),
+        hbm_operand_bytes=hbm_bytes,
+    )
+
+
+def index_of(index: dict, bundles: list[Bundle], address: int) -> int:
+    """The position of the first bundle at or after `address`."""
+    if address in index:
+        return index[address]
+    return next((i for i, b in enumerate(bundles) if b.address >= address), len(bundles))

@@ -1,0 +1,151 @@
+"""The schedule model: libtpu's bundles read (kernels/tpu_schedule.py), the
+pipeline sum (bench/pipeline.py), and the two joined through the grid walk."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import calibration
+import grid_walk
+import pipeline
+import tpu_compile
+import tpu_schedule
+from runtime.generations import GENERATIONS
+
+# A hand-written schedule in libtpu's format: two entry bundles, a grid loop
+# of 3 iterations (its exit test, immediate 3, comes before the inner
+# loop's) holding a compute stage that skips to region 9, an inner loop of
+# 4 iterations, and a pl.when region 7.
+HAND_SCHEDULE = """\
+     0   :  { %1 = vsyncpa [#allocation5], 0  ;;  %s0 = inlined_call_operand.hbm [shape: bf16[512,256], index: 0, kind: input, shape index: {}]  ;;  %s1 = inlined_call_operand.vmem [shape: f32[8,128], index: 1, kind: output, shape index: {}] }
+   0x1   :  { %2 = smov.u32 0 }
+   0x2 LB: > { %s3 = sadd.s32 1, %s4 ;; %p4 = scmp.ge.s32.totalorder %s3, 3 /* loop exit test */ } /* Start region 5 */
+   0x3   : > { %5 = sbr.rel (%p1) target = $region9 }
+   0x4   : > { }
+   0x5   : > { }
+   0x6   : > { }
+   0x7   : > { }
+   0x8 LB: >> { %v1 = vmatmul.mubr.bf16.gmra.mxu0 %v2 ;; %s6 = sadd.s32 1, %s7 } /* Start region 6 */
+   0x9   : >> { %p2 = scmp.ge.s32.totalorder %s6, 4 /* loop exit test */ }
+   0xa   : >> { %8 = sbr.rel (!%p2) target = $region6 }
+   0xb   : >> { }
+   0xc   : >> { }
+   0xd   : >> { }
+   0xe   : >> { }
+   0xf   : > { %9 = sbr.rel (%p3) target = $region7 }
+  0x10   :  {}
+  0x11   :  {}
+  0x12   :  {}
+  0x13   :  {}
+  0x14   : > { %v3 = vmatpush1.bf16.msra.mxu0 %v4 }
+  0x15   : > { %v5 = vadd.f32 %v3, %v3 }
+  0x16 PF: > { %v6 = vadd.f32 %v5, %v5 } /* Start/End empty region 7 */
+  0x17 PF: > { %s8 = smov.u32 0 } /* Start/End empty region 9 */
+  0x18   : > { %10 = sbr.rel (!%p4) target = $region5 }
+  0x19   : > { }
+  0x1a   : > { }
+  0x1b   : > { }
+  0x1c   : > { }
+  0x1d   :  { %11 = vsyncpa [#allocation5], 1 }
+"""
+
+
+def test_reads_a_hand_written_schedule():
+    s = tpu_schedule.read_schedule(HAND_SCHEDULE)
+    assert s.bundles == 30
+    assert s.grid_loop.start == 0x2 and s.grid_loop.end == 0x1d and s.grid_loop.trip_count == 3
+    inner = 7  # 0x8..0xe: body and the back branch's 4 delay slots
+    # One iteration: 27 bundles, the inner loop's 7 run 4 times.
+    assert s.iteration_cycles == 27 - inner + 4 * inner
+    assert s.outside_loop_cycles == 3
+    # The compute stage: after 0x3's delay slots (0x8) up to region 9 (0x17).
+    assert (s.stage.start, s.stage.end, s.stage.cycles, s.stage.matmuls) == (0x8, 0x17, 15 - inner + 4 * inner, 4)
+    # The pl.when body: after 0xf's delay slots up to region 7.
+    (region,) = s.regions
+    assert (region.start, region.end, region.cycles, region.matmuls) == (0x14, 0x16, 2, 0)
+    assert s.matmuls == 4 and s.weight_pushes == 1
+    assert s.total_cycles == 3 + 3 * s.iteration_cycles
+    assert s.hbm_operand_bytes == 512 * 256 * 2  # the VMEM operand is not HBM traffic
+    np.testing.assert_array_equal(s.step_cycles(np.array([[True], [False]])),
+                                  [s.iteration_cycles, s.iteration_cycles - 2])
+    assert s.fill_drain_cycles == 3 + 2 * (s.iteration_cycles - s.stage.cycles)
+
+
+def test_pipeline_sum_matches_a_hand_count():
+    """Three steps at 1 byte/s, no latency: fetch(0) = 2, then
+    max(5, fetch(1) 3) + max(1, fetch(2) 4 + write(0) 6) + max(2, write(1) 0),
+    then write(2) = 7."""
+    compute = np.array([5.0, 1.0, 2.0])
+    fetch = np.array([2, 3, 4])
+    write = np.array([6, 0, 7])
+    assert pipeline.pipeline_seconds(compute, fetch, write, bytes_per_s=1.0, latency_s=0.0) == 2 + 5 + 10 + 2 + 7
+    # A latency adds to each DMA that moves bytes, hidden where compute is longer.
+    assert pipeline.pipeline_seconds(compute, fetch, write, 1.0, latency_s=1.0) == 3 + 5 + 11 + 2 + 8
+
+
+def test_megacore_splits_the_first_parallel_axis():
+    core = pipeline.core_of_step((1, 4, 3), ("parallel", "parallel", "arbitrary"), cores=2)
+    np.testing.assert_array_equal(core.reshape(4, 3), [[0] * 3, [0] * 3, [1] * 3, [1] * 3])
+    assert not pipeline.core_of_step((4, 3), ("arbitrary", "arbitrary"), cores=2).any()
+
+
+def _looping_kernel(steps: int):
+    """A grid of `steps`, a fori_loop of 5 matmuls, and a pl.when body on even steps."""
+    def body(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+        def accumulate(_, carry):
+            o_ref[...] += jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(0, 5, accumulate, 0)
+
+        @pl.when(pl.program_id(0) % 2 == 0)
+        def _():
+            o_ref[...] = o_ref[...] * 2.0 + jnp.exp(o_ref[...])
+
+    return pl.pallas_call(
+        body, grid=(steps,),
+        in_specs=[pl.BlockSpec((128, 256), lambda i: (i, 0)), pl.BlockSpec((256, 256), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((128, 256), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((128 * steps, 256), jnp.float32), name="looping_kernel")
+
+
+def test_compiled_schedule_joins_the_grid_walk():
+    """libtpu's schedule of a kernel with a known loop and pl.when: the grid
+    loop runs steps + 2 iterations, the inner loop's trip count is read, its
+    matmuls count 5 times, and odd steps skip the pl.when body."""
+    steps = 4
+    fn = _looping_kernel(steps)
+    specs = [((128 * steps, 256), jnp.bfloat16), ((256, 256), jnp.bfloat16)]
+    report = tpu_compile.compile_for(fn, specs, "v6e", "looping_kernel")
+    (kernel,) = report.kernels.values()
+    s = kernel.schedule
+    assert s.grid_loop.trip_count == steps + 2
+    assert s.dynamic_inner_loops == 0
+    # The same vmatmuls in each of the 5 trips, all inside the compute stage.
+    assert s.matmuls % 5 == 0 and s.matmuls > 0 and s.stage.matmuls == s.matmuls
+    (region,) = s.regions
+    assert region.matmuls == 0 and region.cycles > 0
+
+    (cost,) = grid_walk.kernel_costs(fn, [jax.ShapeDtypeStruct(*spec) for spec in specs], mxu_width=256)
+    runs = pipeline.region_runs(cost, s)
+    np.testing.assert_array_equal(runs[:, 0], [True, False, True, False])
+    cycles = s.step_cycles(runs)
+    assert cycles[1] == cycles[0] - region.cycles
+    # The weights are fetched once, x once per step; the output written once per step.
+    np.testing.assert_array_equal(cost.fetch_bytes, [128 * 256 * 2 + 256 * 256 * 2] + [128 * 256 * 2] * 3)
+    np.testing.assert_array_equal(cost.write_bytes, [128 * 256 * 4] * 4)
+    parts = pipeline.kernel_seconds(cost, s, "v6e")
+    assert parts["regions_mapped"] and parts["cores"] == 1
+    assert parts["compute"] == pytest.approx(cycles.sum() / GENERATIONS["v6e"].clock_hz)
+    assert parts["modeled"] >= max(parts["compute"], parts["dma"])
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_clock_reproduces_the_published_peak(generation):
+    """The table's clock is the rate at which libtpu's schedule of a dense
+    bf16 matmul's accumulate steps reaches the published peak per core."""
+    assert calibration.derived_clock_hz(generation) == pytest.approx(GENERATIONS[generation].clock_hz, rel=0.005)
