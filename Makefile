@@ -31,6 +31,7 @@ build: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) bench/bench.py $(BENCH_ARGS)
 	$(PY) bench/calibration.py measured
+	$(PY) bench/headline.py
 
 tune: $(STAMP)
 	$(PY) bench/tune.py $(TUNE_ARGS)

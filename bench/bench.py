@@ -183,21 +183,18 @@ def modeled_seconds(cost, generation: str, parallel_extent: int, copy_bytes: int
 KERNEL_NAMES = ("ragged_dot_tpu", "gmm", "tgmm")
 
 
-def schedule_model(cost, report, generation: str, kernel_names=KERNEL_NAMES) -> dict:
-    """The schedule model (bench/pipeline.py) for a walked kernel and its
-    compile: the kernel's pipeline, and XLA's ops around it."""
-    kernels = {op: r for op, r in report.kernels.items() if any(n in op for n in kernel_names) and r.schedule}
-    if len(kernels) != 1:
-        raise RuntimeError(f"expected one kernel schedule, found {sorted(kernels)}")
-    (schedule,) = (r.schedule for r in kernels.values())
-    around = {op: r.schedule for op, r in report.kernels.items() if op not in kernels and r.schedule}
-    parts = pipeline.kernel_seconds(cost, schedule, generation)
-    around_s = pipeline.around_seconds({**around, **report.other_ops}, generation)
-    return dict(modeled_us=(parts["modeled"] + around_s) * 1e6, kernel_us=parts["modeled"] * 1e6,
-                around_us=around_s * 1e6, compute_us=parts["compute"] * 1e6, dma_us=parts["dma"] * 1e6,
-                fill_drain_us=parts["fill_drain"] * 1e6, regions_mapped=parts["regions_mapped"],
-                bundles=schedule.bundles, step_cycles_max=schedule.iteration_cycles,
-                matmuls_per_step=schedule.matmuls, weight_pushes_per_step=schedule.weight_pushes)
+def schedule_model(costs, report) -> dict:
+    """The schedule model (bench/pipeline.py) for a compiled program whose
+    Pallas kernels were walked: each kernel's pipeline, and XLA's ops
+    around them. Fields in us, with the first kernel's schedule figures."""
+    schedules = {op: r.schedule for op, r in report.kernels.items() if r.schedule} | report.other_ops
+    parts = pipeline.program_seconds(costs, schedules, report.generation)
+    schedule = schedules[parts["kernel_ops"][0]]
+    return dict(modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, around_us=parts["around"] * 1e6,
+                compute_us=parts["compute"] * 1e6, dma_us=parts["dma"] * 1e6, fill_drain_us=parts["fill_drain"] * 1e6,
+                regions_mapped=parts["regions_mapped"], bundles=schedule.bundles,
+                step_cycles_max=schedule.iteration_cycles, matmuls_per_step=schedule.matmuls,
+                weight_pushes_per_step=schedule.weight_pushes)
 
 
 IMPLS = ("ours", "megablox 128^3", "megablox ours' tiles", "megablox best", "tokamax")
@@ -250,7 +247,7 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
                 row.update(compiles=False, error=f"compile: {str(err).splitlines()[0][:160]}")
         if cost is not None and report is not None:
             try:
-                row.update(schedule_model(cost, report, generation))
+                row.update(schedule_model([cost], report))
             except Exception as err:  # noqa: BLE001
                 row.update(error=f"schedule: {str(err).splitlines()[0][:160]}")
         results.append(row)

@@ -60,6 +60,7 @@ class KernelCost:
     when_has_dot: list[bool]  # whether each body holds a matmul
     when_on_grid_only: list[bool]  # the condition reads only grid indices (the compiler may fold it)
     dimension_semantics: tuple[str, ...]
+    operand_shapes: tuple[str, ...]  # its operands and results as XLA prints them ("bf16[512,2048]")
 
 
 def _sub_jaxpr(eqn):
@@ -315,6 +316,15 @@ def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
     return _map_points(one, points)
 
 
+_XLA_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64", "int8": "s8", "int16": "s16",
+               "int32": "s32", "int64": "s64", "uint8": "u8", "uint32": "u32", "bool": "pred"}
+
+
+def xla_shape(aval) -> str:
+    name = np.dtype(aval.dtype).name
+    return f"{_XLA_DTYPES.get(name, name)}[{','.join(map(str, aval.shape))}]"
+
+
 def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
     grid_mapping = eqn.params["grid_mapping"]
     if grid_mapping.num_dynamic_grid_bounds:
@@ -357,6 +367,7 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         when_has_dot=when_has_dot,
         when_on_grid_only=when_on_grid_only,
         dimension_semantics=tuple(str(d).split(".")[-1].lower() for d in semantics),
+        operand_shapes=tuple(xla_shape(v.aval) for v in (*eqn.invars, *eqn.outvars)),
     )
 
 

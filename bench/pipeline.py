@@ -109,10 +109,54 @@ def kernel_seconds(cost, schedule, generation: str) -> dict:
     }
 
 
+def data_shapes(shapes) -> list[str]:
+    """The array operands (rank >= 2) of an op, sorted: what identifies a
+    kernel's compiled op whatever its name and scalar operands."""
+    return sorted(s for s in shapes if s.count(",") >= 1)
+
+
+def match_kernels(costs: list, schedules: dict) -> dict:
+    """{index of a walked kernel: HLO op name of its schedule}, matched by
+    the kernels' array operands (a pallas_call's HLO name is not its
+    program order). Of several ops with the same operands, the one with a
+    grid loop is the kernel."""
+    matched = {}
+    for i, cost in enumerate(costs):
+        want = data_shapes(cost.operand_shapes)
+        candidates = [op for op, s in schedules.items() if op not in matched.values()
+                      and data_shapes(s.operand_shapes) == want]
+        candidates.sort(key=lambda op: schedules[op].grid_loop is None)
+        if not candidates:
+            raise RuntimeError(f"no compiled op has the operands of kernel {cost.name} {want}")
+        matched[i] = candidates[0]
+    return matched
+
+
+def program_seconds(costs: list, schedules: dict, generation: str) -> dict:
+    """A whole compiled program: each walked Pallas kernel through the
+    pipeline model, every other op as `around_seconds` counts it."""
+    matched = match_kernels(costs, schedules)
+    parts = [kernel_seconds(cost, schedules[matched[i]], generation) for i, cost in enumerate(costs)]
+    around = around_seconds({op: s for op, s in schedules.items() if op not in matched.values()}, generation)
+    kernels = sum(p["modeled"] for p in parts)
+    return {
+        "modeled": kernels + around,
+        "kernels": kernels,
+        "around": around,
+        "compute": sum(p["compute"] for p in parts),
+        "dma": sum(p["dma"] for p in parts),
+        "fill_drain": sum(p["fill_drain"] for p in parts),
+        "regions_mapped": all(p["regions_mapped"] for p in parts),
+        "kernel_ops": [matched[i] for i in range(len(costs))],
+    }
+
+
 def around_seconds(other_ops: dict, generation: str) -> float:
     """XLA's ops around the kernel (routing metadata, sorts, gathers,
-    padding), each run once: its scheduled cycles, or its HBM operands at
-    full bandwidth when those take longer (the cycles do not show DMA waits)."""
+    padding), each run once: its scheduled cycles, or its HBM traffic at
+    full bandwidth when that takes longer (the cycles do not show DMA
+    waits). The traffic is what its DMAs move where the schedule fixes
+    their sizes and counts, else its HBM operands once each."""
     gen = GENERATIONS[generation]
-    return sum(max(s.total_cycles / gen.clock_hz, s.hbm_operand_bytes / gen.hbm_bytes_per_s)
-               for s in other_ops.values())
+    traffic = lambda s: s.hbm_operand_bytes if s.hbm_dma_bytes is None else s.hbm_dma_bytes
+    return sum(max(s.total_cycles / gen.clock_hz, traffic(s) / gen.hbm_bytes_per_s) for s in other_ops.values())

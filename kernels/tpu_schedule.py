@@ -42,9 +42,13 @@ _BRANCH = re.compile(r"sbr\.rel\s*(?:\([^)]*\))?\s*target = \$region(\d+)")
 _REGION_START = re.compile(r"(?:Start region|Start/End empty region) (\d+)\b")
 _EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %\w+, (\d+) /\* loop exit test")
 _OPCODE = re.compile(r"(?:=|\{|;;)\s+([a-z][\w.]*)")
-_HBM_OPERAND = re.compile(r"inlined_call_operand\.hbm \[shape: (\w+)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-             "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+# A DMA to or from HBM: its size in 32-byte granules (an immediate), or its
+# window in the comment that follows it when the size is a register.
+_DMA = re.compile(r"dma\.(\w+)_to_(\w+)\b[^;{}]*?size_in_granules=\*/([^,]+),(?:[^;{}]*?window_bounds: \(([\d, ]+)\)"
+                  r"[^;{}]*?element_size_in_bytes: (\d+))?", re.S)
+_GENERAL_DMA = re.compile(r"\bdma\.general\b")
+DMA_GRANULE_BYTES = 32
+_OPERAND = re.compile(r"inlined_call_operand\.([^\s\[]+(?: memory space>)?) \[shape: (\w+)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass
@@ -56,6 +60,24 @@ class Bundle:
 
     def count(self, opcode_prefix: str) -> int:
         return sum(op.startswith(opcode_prefix) for op in _OPCODE.findall(self.text))
+
+    def hbm_dma_bytes(self) -> tuple[int, int]:
+        """(bytes its DMAs move to or from HBM, both ways for HBM to HBM;
+        how many of its HBM DMAs have a size known only at run time)."""
+        total = 0
+        unknown = len(_GENERAL_DMA.findall(self.text))  # memory spaces and size in registers
+        for src, dst, granules, window, element in _DMA.findall(self.text):
+            if "hbm" not in (src, dst):
+                continue
+            if granules.strip().isdigit():
+                size = int(granules) * DMA_GRANULE_BYTES
+            elif window:
+                size = int(np.prod([int(d) for d in window.split(",")])) * int(element)
+            else:
+                unknown += 1
+                continue
+            total += size * ((src == "hbm") + (dst == "hbm"))
+        return total, unknown
 
 
 @dataclasses.dataclass
@@ -92,7 +114,12 @@ class Schedule:
     matmuls: int  # vmatmul per iteration with every region run
     weight_pushes: int  # vmatpush likewise
     dynamic_inner_loops: int  # inner loops with no static trip count (counted once)
-    hbm_operand_bytes: int = 0  # the op's operands and results that live in HBM (XLA's ops: read or written once)
+    # What the whole program moves to or from HBM: its DMAs' bytes (loops
+    # times their trip counts) when every size and trip count is static,
+    # else (None) its HBM operands once each (`hbm_operand_bytes`).
+    hbm_dma_bytes: int | None = 0
+    hbm_operand_bytes: int = 0
+    operand_shapes: tuple[str, ...] = ()  # every operand and result, as "bf16[512,2048]"
 
     def step_cycles(self, runs: np.ndarray) -> np.ndarray:
         """Issue cycles of each grid step. runs: bool [steps, len(regions)],
@@ -118,22 +145,21 @@ def parse_bundles(text: str) -> list[Bundle]:
     return bundles
 
 
-def hbm_operand_bytes(entry: Bundle) -> int:
-    """Bytes of the op's operands and results in HBM, from its entry bundle."""
-    total = 0
-    for dtype, dims in _HBM_OPERAND.findall(entry.text):
-        size = 1
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        total += size * _ITEMSIZE.get(dtype, 4)
-    return total
+def operands(entry: Bundle) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(memory space, dtype, shape) of the op's operands and results, from its entry bundle."""
+    return [(space, dtype, tuple(int(d) for d in filter(None, dims.split(","))))
+            for space, dtype, dims in _OPERAND.findall(entry.text)]
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+             "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
 def read_schedule(text: str) -> Schedule:
     bundles = parse_bundles(text)
     if not bundles:
         raise ValueError("no bundles in the schedule text")
-    hbm_bytes = hbm_operand_bytes(bundles[0])
+    shapes = tuple(f"{dtype}[{','.join(map(str, shape))}]" for _, dtype, shape in operands(bundles[0]))
     index = {b.address: i for i, b in enumerate(bundles)}
     region_start = {}
     for b in bundles:
@@ -179,9 +205,15 @@ def read_schedule(text: str) -> Schedule:
         return Region(start, end, int(weight[s].sum()), int((weight[s] * is_matmul[s]).sum()))
 
     total = int(every_loop.sum())
+    dma = np.array([b.hbm_dma_bytes() for b in bundles], np.int64).reshape(-1, 2)
+    static = not dma[:, 1].any() and all(l.trip_count is not None for l in loops)
+    hbm_bytes = int((every_loop * dma[:, 0]).sum()) if static else None
+    operand_bytes = sum(int(np.prod(shape)) * _ITEMSIZE.get(dtype, 4)
+                        for space, dtype, shape in operands(bundles[0]) if space == "hbm")
     if grid_loop is None:
         return Schedule(len(bundles), total, None, total, 0, None, [], int((weight * is_matmul).sum()),
-                        int((weight * is_push).sum()), sum(l.trip_count is None for l in inner), hbm_bytes)
+                        int((weight * is_push).sum()), sum(l.trip_count is None for l in inner), hbm_bytes,
+                        operand_bytes, shapes)
     loop_span = span(grid_loop.start, grid_loop.end)
     in_loop = [region(a, t) for a, t in forward if grid_loop.start <= a and t <= grid_loop.end and a < t]
     stage = max(in_loop, key=lambda r: r.cycles, default=None)
@@ -199,7 +231,9 @@ def read_schedule(text: str) -> Schedule:
         matmuls=int((weight[loop_span] * is_matmul[loop_span]).sum()),
         weight_pushes=int((weight[loop_span] * is_push[loop_span]).sum()),
         dynamic_inner_loops=sum(l.trip_count is None for l in inner),
-        hbm_operand_bytes=hbm_bytes,
+        hbm_dma_bytes=hbm_bytes,
+        hbm_operand_bytes=operand_bytes,
+        operand_shapes=shapes,
     )
 
 

@@ -39,7 +39,7 @@ HAND_SCHEDULE = """\
   0x11   :  {}
   0x12   :  {}
   0x13   :  {}
-  0x14   : > { %v3 = vmatpush1.bf16.msra.mxu0 %v4 }
+  0x14   : > { %v3 = vmatpush1.bf16.msra.mxu0 %v4  ;;  %12 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s0, /*size_in_granules=*/16, /*vmem=*/%s1, /*dst_syncflagno=*/[#allocation1]  ;;  %13 = dma.vmem_to_vmem [thread:$0]  /*src=*/%s1, /*size_in_granules=*/64, /*dst=*/%s2 }
   0x15   : > { %v5 = vadd.f32 %v3, %v3 }
   0x16 PF: > { %v6 = vadd.f32 %v5, %v5 } /* Start/End empty region 7 */
   0x17 PF: > { %s8 = smov.u32 0 } /* Start/End empty region 9 */
@@ -67,7 +67,8 @@ def test_reads_a_hand_written_schedule():
     assert (region.start, region.end, region.cycles, region.matmuls) == (0x14, 0x16, 2, 0)
     assert s.matmuls == 4 and s.weight_pushes == 1
     assert s.total_cycles == 3 + 3 * s.iteration_cycles
-    assert s.hbm_operand_bytes == 512 * 256 * 2  # the VMEM operand is not HBM traffic
+    # 0x14's DMA (16 granules of 32 bytes) runs once per iteration; the VMEM-to-VMEM one moves no HBM bytes.
+    assert s.hbm_dma_bytes == 3 * 16 * 32
     np.testing.assert_array_equal(s.step_cycles(np.array([[True], [False]])),
                                   [s.iteration_cycles, s.iteration_cycles - 2])
     assert s.fill_drain_cycles == 3 + 2 * (s.iteration_cycles - s.stage.cycles)
@@ -149,3 +150,23 @@ def test_clock_reproduces_the_published_peak(generation):
     """The table's clock is the rate at which libtpu's schedule of a dense
     bf16 matmul's accumulate steps reaches the published peak per core."""
     assert calibration.derived_clock_hz(generation) == pytest.approx(GENERATIONS[generation].clock_hz, rel=0.005)
+
+
+def test_headline_baselines_do_the_same_work():
+    """The headline's baselines (transformers' grouped_mm, batched_mm and
+    eager loop, written in JAX) compute our experts forward: a baseline
+    doing less work would flatter them."""
+    import headline
+
+    h = headline.Headline("tiny", 256, 128, 8, 2, "silu", 0.0, "test")
+    hidden, index, weights, up, down = headline.inputs(h)
+    rng = np.random.default_rng(1)
+    data = lambda spec, scale: jnp.asarray(rng.standard_normal(spec.shape) * scale, jnp.bfloat16)
+    args = (data(hidden, 1.0), index, jnp.asarray(rng.random(weights.shape), jnp.bfloat16),
+            data(up, 256 ** -0.5), data(down, 128 ** -0.5))
+    impls = headline.implementations(h, np.asarray(index), interpret=True)
+    want = np.asarray(impls.pop("ours")(*args), np.float32)
+    scale = np.abs(want).max()
+    for name, fn in impls.items():
+        # bf16 outputs of the same sums: a few bf16 roundings of the largest value.
+        np.testing.assert_allclose(np.asarray(fn(*args), np.float32), want, atol=4 * 2**-8 * scale, err_msg=name)
