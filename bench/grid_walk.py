@@ -223,41 +223,33 @@ def _dot_flops(eqn, mxu_width):
     return 2 * batch * pad(m, 8) * pad(k, mxu_width) * pad(n, mxu_width), 2 * batch * m * k * n
 
 
-def _work_per_step(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width):
-    """(MXU-padded FLOPs, unpadded FLOPs) per grid step, from the kernel body's dots
-    and the conditions (pl.when) guarding them."""
-    padded = np.zeros(len(points), np.int64)
-    unpadded = np.zeros(len(points), np.int64)
-    for i, eqn in enumerate(kernel_jaxpr.eqns):
-        if eqn.primitive.name == "dot_general":
-            p, u = _dot_flops(eqn, mxu_width)
-            padded += p
-            unpadded += u
-            continue
-        branches = _branches(eqn)
-        per_branch = [[_dot_flops(d, mxu_width) for d in _dots(b.jaxpr)] for b in branches]
-        if not any(per_branch):
-            continue
-        if eqn.primitive.name != "cond" or all(per_branch):
-            taken = np.zeros(len(points), np.int32)  # every branch does work: no need to know which
-            if eqn.primitive.name == "cond":
-                per_branch = [per_branch[0]] * len(per_branch)
-        else:
-            taken = _cond_index(kernel_jaxpr, i, num_prefetch, points, prefetch)
-        for branch, dots in enumerate(per_branch):
-            on = taken == branch
-            padded += on * sum(p for p, _ in dots)
-            unpadded += on * sum(u for _, u in dots)
-    return padded, unpadded
+def _body_flops(jaxpr, mxu_width) -> tuple[int, int]:
+    """(MXU-padded, unpadded) FLOPs of every dot in a body."""
+    dots = [_dot_flops(d, mxu_width) for d in _dots(jaxpr)]
+    return sum(p for p, _ in dots), sum(u for _, u in dots)
 
 
-def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch):
+def _work_per_step(kernel_jaxpr, when_runs, when_flops, mxu_width):
+    """(MXU-padded FLOPs, unpadded FLOPs) per grid step: the dots outside
+    the kernel's top-level conds run at every step, a cond body's dots at
+    the steps where `_when_runs` says it runs."""
+    always = [_dot_flops(e, mxu_width) for e in kernel_jaxpr.eqns if e.primitive.name == "dot_general"]
+    always += [_body_flops(sub.jaxpr, mxu_width) for e in kernel_jaxpr.eqns if e.primitive.name != "cond"
+               for sub in _branches(e)]
+    padded = sum(p for p, _ in always) + when_runs @ np.array([p for p, _ in when_flops], np.int64).reshape(-1)
+    unpadded = sum(u for _, u in always) + when_runs @ np.array([u for _, u in when_flops], np.int64).reshape(-1)
+    return np.asarray(padded, np.int64), np.asarray(unpadded, np.int64)
+
+
+def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width):
     """The bodies of the kernel's top-level conds, in the order Mosaic lays
-    them out, and whether each runs at each step. A `pl.when` has one body;
-    a two-way `lax.cond` has two (the true branch first, as `scf.if` puts
-    its "then" region first). A condition that reads VMEM data cannot be
-    known statically; its bodies count as running."""
-    runs, known, has_dot, on_grid_only = [], [], [], []
+    them out: whether each runs at each step, whether that is known, its
+    dots' FLOPs, and whether its condition reads grid indices only. A
+    `pl.when` has one body; a two-way `lax.cond` has two (the true branch
+    first, as `scf.if` puts its "then" region first). A condition that
+    reads VMEM data cannot be known statically: its bodies count as
+    running (an upper bound)."""
+    runs, known, flops, on_grid_only = [], [], [], []
     for i, eqn in enumerate(kernel_jaxpr.eqns):
         if eqn.primitive.name != "cond":
             continue
@@ -273,10 +265,10 @@ def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch):
             columns, ok = [np.ones(len(points), bool) for _ in bodies], False
         runs += columns
         known += [ok] * len(bodies)
-        has_dot += [bool(_dots(branches[b].jaxpr)) for b in bodies]
+        flops += [_body_flops(branches[b].jaxpr, mxu_width) for b in bodies]
         on_grid_only += [grid_only] * len(bodies)
     runs = np.stack(runs, axis=1) if runs else np.zeros((len(points), 0), bool)
-    return runs, known, has_dot, on_grid_only
+    return runs, known, flops, on_grid_only
 
 
 def _condition_slice(kernel_jaxpr, eqn_index):
@@ -297,7 +289,7 @@ def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
     pred_var = kernel_jaxpr.eqns[eqn_index].invars[0]
     kept, needed = _condition_slice(kernel_jaxpr, eqn_index)
     if needed & set(kernel_jaxpr.invars[num_prefetch:]):
-        raise NotImplementedError("a dot's condition reads VMEM data; cannot count its steps statically")
+        raise NotImplementedError("the condition reads VMEM data; cannot know its steps statically")
     # program_id / num_programs become inputs, so the slice runs outside a kernel.
     grid_inputs = [(e.primitive.name, e.params["axis"], e.outvars[0]) for e in kept
                    if e.primitive.name in ("program_id", "num_programs")]
@@ -346,8 +338,9 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         (write if is_output else fetch)[:] += per_step
         by_operand[f"{'out' if is_output else 'in'}{i}:{block_mapping.array_aval.str_short()}"] = int(per_step.sum())
     kernel_jaxpr = eqn.params["jaxpr"]
-    padded, unpadded = _work_per_step(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width)
-    when_runs, when_known, when_has_dot, when_on_grid_only = _when_runs(kernel_jaxpr, num_prefetch, points, prefetch)
+    when_runs, when_known, when_flops, when_on_grid_only = _when_runs(kernel_jaxpr, num_prefetch, points, prefetch,
+                                                                      mxu_width)
+    padded, unpadded = _work_per_step(kernel_jaxpr, when_runs, when_flops, mxu_width)
     params = eqn.params.get("compiler_params")
     params = params.get("mosaic_tpu", params) if isinstance(params, dict) else params
     semantics = tuple(getattr(params, "dimension_semantics", None) or ("arbitrary",) * len(grid))
@@ -364,7 +357,7 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         write_bytes=write,
         when_runs=when_runs,
         when_known=when_known,
-        when_has_dot=when_has_dot,
+        when_has_dot=[p > 0 for p, _ in when_flops],
         when_on_grid_only=when_on_grid_only,
         dimension_semantics=tuple(str(d).split(".")[-1].lower() for d in semantics),
         operand_shapes=tuple(xla_shape(v.aval) for v in (*eqn.invars, *eqn.outvars)),
