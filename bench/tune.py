@@ -5,13 +5,16 @@ generation, it traces transformers' experts forward (and, for prefill, its
 gradient) to find every grouped matmul the kernels look blocks up for, then
 for each one:
 
-1. ranks the block choices with the cost model (ragged_dot/tuning.py),
+1. takes the block choices the cost model (ragged_dot/tuning.py) rates best,
    allowing buffers up to what the chip's VMEM holds (`max_buffers`), not
-   only Mosaic's default scoped limit the rule keeps to;
-2. counts the best few with the bench's grid walk (real routing, real
-   visits) and keeps the one with the lowest modeled time;
-3. compiles it with libtpu for the generation; a choice that does not
-   compile or exceeds its VMEM limit is dropped for the next.
+   only Mosaic's default scoped limit the rule keeps to, plus the rule's;
+2. rates each with the bench's schedule model (bench/pipeline.py): the
+   grid walk on the real routing, and the compiled kernel's schedule. A
+   kernel's schedule does not depend on its row count (checked: the same
+   cycles at 4k to 64k rows), so each tiling is compiled once per
+   generation and kept in bench/results/schedules_<generation>.json;
+3. compiles the fastest with libtpu at the entry's own shapes; a choice
+   that does not compile or exceeds its VMEM limit is dropped for the next.
 
 Evidence goes to bench/results/tuning_<generation>.json; the table to
 ragged_dot/tuned_blocks.py (generated from those files; do not edit it).
@@ -32,7 +35,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import grid_walk  # noqa: E402
+import pipeline  # noqa: E402
 import tpu_compile  # noqa: E402
+import tpu_schedule  # noqa: E402
 from ragged_dot import ops, tuning  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
 
@@ -107,8 +112,41 @@ def fresh(fn):
     return lambda *args: fn(*args)
 
 
-def tune_call(shape, tokens, call, generation):
-    """Walks the model's best candidates, compiles the winner; returns the record."""
+def schedule_key(call, blocks) -> str:
+    """What a kernel's compiled schedule depends on: everything but the row count."""
+    kind, a_shape, b_shape, transpose_rhs = call
+    return json.dumps([kind, list(a_shape[1:]), list(b_shape if kind == "forward" else b_shape[1:]), transpose_rhs,
+                       list(blocks.__dict__.values())])
+
+
+def schedule_cache(generation: str) -> dict:
+    file = RESULTS / f"schedules_{generation}.json"
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+def cached_schedule(cache: dict, fn, args, call, blocks, generation):
+    """The compiled kernel's schedule and VMEM for one tiling (compiled on a
+    miss), or None where libtpu refuses the tiling."""
+    key = schedule_key(call, blocks)
+    if key not in cache:
+        file = RESULTS / f"schedules_{generation}.json"
+        try:
+            report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], generation, "ragged_dot_tpu")
+            (kernel,) = report.kernels.values()
+            cache[key] = dict(schedule=tpu_schedule.to_dict(kernel.schedule), vmem_used=kernel.vmem_bytes)
+        except Exception as err:  # noqa: BLE001
+            error = str(err).splitlines()[0][:200]
+            if HBM_OOM in error:  # this entry's operands overflow the chip, whatever the tiling: not the tiling's fault
+                raise
+            cache[key] = dict(error=error)
+        file.write_text(json.dumps(cache, indent=0, sort_keys=True))
+    entry = cache[key]
+    return (tpu_schedule.from_dict(entry["schedule"]), entry["vmem_used"]) if "schedule" in entry else (None, None)
+
+
+def tune_call(shape, tokens, call, generation, cache=None):
+    """Rates the cost model's best candidates with the schedule model,
+    compiles the winner at the entry's shapes; returns the record."""
     fn, table, key, model, buffers = call_fn(call, shape.experts, generation)
     kind, a_shape, b_shape, _ = call
     rows, k, n, groups, itemsize = key
@@ -118,26 +156,42 @@ def tune_call(shape, tokens, call, generation):
         rows, k, n, groups, generation, itemsize)
     candidates = list(dict.fromkeys(ranked[:CANDIDATES] + [rule]))
     gen = GENERATIONS[generation]
+    cache = schedule_cache(generation) if cache is None else cache
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
             jnp.asarray(bench.routing(shape, tokens)))
-    walked = []
+    record = dict(model=shape.model, tokens=tokens, kind=kind, key=list(key), generation=generation, candidates=[])
+    rated = []
     for blocks in candidates:
         table[generation][key] = blocks
         try:
             (cost,), copies = grid_walk.kernel_costs_and_copies(fresh(fn), args, gen.mxu_width)
-            seconds = bench.modeled_seconds(cost, generation, cost.grid[0], copies)
-            walked.append((seconds["modeled_us"], buffers(blocks, itemsize), blocks))
+            schedule, vmem_used = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
+        except Exception as err:  # noqa: BLE001
+            if HBM_OOM in str(err):
+                record.update(too_big_for_hbm=str(err).splitlines()[0][:200])
+                return record
+            raise
         finally:
             del table[generation][key]
-    record = dict(model=shape.model, tokens=tokens, kind=kind, key=list(key), generation=generation,
-                  candidates=[dict(blocks=list(b.__dict__.values()), modeled_us=us) for us, _, b in walked])
-    for us, need, blocks in sorted(walked, key=lambda w: (w[0], w[1])):
+        formula_us = bench.modeled_seconds(cost, generation, cost.grid[0], copies)["modeled_us"]
+        limit = tuning.vmem_limit(buffers(blocks, itemsize), generation)
+        candidate = dict(blocks=list(blocks.__dict__.values()), formula_us=formula_us)
+        if schedule is None or vmem_used > limit:
+            candidate["rejected"] = "does not compile" if schedule is None else f"VMEM {vmem_used} > limit {limit}"
+        else:
+            # The padding copies outside the kernel at full bandwidth, as the bench counts them.
+            candidate["modeled_us"] = (pipeline.kernel_seconds(cost, schedule, generation)["modeled"]
+                                       + copies / gen.hbm_bytes_per_s) * 1e6
+            rated.append((candidate["modeled_us"], buffers(blocks, itemsize), blocks))
+        record["candidates"].append(candidate)
+    rule_us = next((c.get("modeled_us") for c in record["candidates"] if c["blocks"] == list(rule.__dict__.values())), None)
+    for us, need, blocks in sorted(rated, key=lambda w: (w[0], w[1])):
         table[generation][key] = blocks
-        try:
+        try:  # at the entry's own shapes: proves it fits this entry's HBM and VMEM
             report = tpu_compile.compile_for(fresh(fn), [(x.shape, x.dtype) for x in args], generation, "ragged_dot_tpu")
-        except Exception as err:  # noqa: BLE001  (too big for VMEM, or a Mosaic limit: try the next)
+        except Exception as err:  # noqa: BLE001
             error = str(err).splitlines()[0][:200]
-            if HBM_OOM in error:  # the operands alone overflow the chip: no block choice helps
+            if HBM_OOM in error:
                 record.update(too_big_for_hbm=error)
                 return record
             record.setdefault("rejected", []).append(dict(blocks=list(blocks.__dict__.values()), error=error))
@@ -150,7 +204,6 @@ def tune_call(shape, tokens, call, generation):
             record.setdefault("rejected", []).append(dict(blocks=list(blocks.__dict__.values()),
                                                           error=f"VMEM {kernel_report.vmem_bytes} > limit {limit}"))
             continue
-        rule_us = next(u for u, _, b in walked if b == rule)
         record.update(blocks=list(blocks.__dict__.values()), modeled_us=us, rule_modeled_us=rule_us,
                       vmem_used=kernel_report.vmem_bytes, vmem_limit=limit)
         return record
@@ -182,8 +235,9 @@ def write_table(path: Path = TABLE) -> None:
         "",
         "Key: (rows, K, N, groups, itemsize) for the grouped matmul, (rows, P, Q, groups,",
         "itemsize) for the weights' gradient. Each entry is the block choice with the lowest",
-        "MODELED time among the cost model's best, counted by the bench's grid walk, and was",
-        "compiled by libtpu for its generation (VMEM used / limit in the comment).",
+        "MODELED time among the cost model's best, as the bench's model rates it (recorded in",
+        "bench/results/tuning_<generation>.json), and was compiled by libtpu for its generation",
+        "(VMEM used / limit in the comment).",
         '"""',
         "",
         "from .kernel import BlockSizes as B",
@@ -226,7 +280,7 @@ def main(argv=None) -> int:
                     done_records.append(record)
                     file.write_text(json.dumps(done_records, indent=1))
                     write_table()
-                    outcome = (f"{record['blocks']} {record['modeled_us']:.1f} us (rule {record['rule_modeled_us']:.1f})"
+                    outcome = (f"{record['blocks']} {record['modeled_us']:.1f} us (rule {record['rule_modeled_us']})"
                                if "blocks" in record else "does not fit the chip's HBM: no entry")
                     print(f"{generation} {shape.model} {tokens} tok {record['kind']} {record['key']}: {outcome} "
                           f"[{time.perf_counter() - start:.0f} s]", flush=True)

@@ -242,3 +242,18 @@ def index_of(index: dict, bundles: list[Bundle], address: int) -> int:
     if address in index:
         return index[address]
     return next((i for i, b in enumerate(bundles) if b.address >= address), len(bundles))
+
+
+def to_dict(schedule: Schedule) -> dict:
+    """A JSON-ready copy (bench/tune.py caches schedules per tiling)."""
+    return dataclasses.asdict(schedule)
+
+
+def from_dict(data: dict) -> Schedule:
+    data = dict(data)
+    data["grid_loop"] = Loop(**data["grid_loop"]) if data["grid_loop"] else None
+    data["stage"] = Region(**data["stage"]) if data["stage"] else None
+    data["regions"] = [Region(**r) for r in data["regions"]]
+    data["operand_shapes"] = tuple(data["operand_shapes"])
+    return Schedule(**data)
+

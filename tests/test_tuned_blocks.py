@@ -7,13 +7,15 @@ entry with the largest buffers); `make check-tuned` compiles every entry.
 
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import bench
+import grid_walk
 import tpu_compile
 import tune
-from ragged_dot import ops, tuning
+from ragged_dot import kernel, ops, tuning
 from runtime.generations import GENERATIONS
 
 KINDS = {"forward": (tuning.TUNED, tuning.forward_buffers),
@@ -104,3 +106,30 @@ def test_entry_compiles_on_its_generation(kind, generation, key, blocks):
     report = tpu_compile.compile_for(fn, specs, generation, "ragged_dot_tpu")
     (used,) = [r.vmem_bytes for r in report.kernels.values()]
     assert used <= tuning.vmem_limit(KINDS[kind][1](blocks, itemsize), generation), (used, blocks)
+
+
+def test_tuning_rates_candidates_with_the_bench_model(tmp_path, monkeypatch):
+    """`make tune` and the bench use one model: each candidate the tuning
+    rates gets the time the bench's schedule model gives our kernel with
+    those blocks, and the entry is the fastest candidate that compiles."""
+    monkeypatch.setattr(tune, "RESULTS", tmp_path)
+    shape = next(s for s in bench.MOE_SHAPES if s.model == "Qwen3-30B-A3B")
+    call = tune.grouped_matmuls(shape, 4, "v6e", training=False)[0]
+    record = tune.tune_call(shape, 4, call, "v6e")
+    rated = [c for c in record["candidates"] if "modeled_us" in c]
+    assert rated and record["modeled_us"] == min(c["modeled_us"] for c in rated)
+    assert (tmp_path / "schedules_v6e.json").exists()
+    _, table, key, _, _ = tune.call_fn(call, shape.experts, "v6e")
+    kind, a_shape, b_shape, transpose_rhs = call
+    # The bench's whole path for the winner: walk, compile, schedule model (plus the row padding copy).
+    table["v6e"][key] = kernel.BlockSizes(*record["blocks"])
+    try:
+        fn = tune.fresh(tune.call_fn(call, shape.experts, "v6e")[0])
+        args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
+                jnp.asarray(bench.routing(shape, 4)))
+        (cost,), copies = grid_walk.kernel_costs_and_copies(fn, args, 256)
+        report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], "v6e", "ragged_dot_tpu")
+        kernel_us = bench.schedule_model([cost], report)["kernel_us"]
+    finally:
+        del table["v6e"][key]
+    assert record["modeled_us"] == pytest.approx(kernel_us + copies / GENERATIONS["v6e"].hbm_bytes_per_s * 1e6, rel=1e-3)
