@@ -15,6 +15,8 @@ $(STAMP): requirements.txt
 
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt
+	# vLLM's TPU kernels, an anchor: without its dependencies (vLLM, a newer jax); the bench loads its files.
+	$(PY) -m pip install --quiet --no-deps tpu-inference==0.32.0
 	touch $(BENCH_STAMP)
 
 venv: $(STAMP)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -113,7 +114,12 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
     - tokamax 0.0.12's Mosaic ragged_dot at the config it picks itself
       (its tuned table misses these shapes: its default, 128^3). It runs
       megablox's kernel body inside an in-kernel pipeline: its own compiled
-      schedule is read, its grid is walked as megablox's at the same tiles.
+      schedule is read, its grid is walked as megablox's at the same tiles;
+    - tpu-inference's gmm (fwd and dx; it has no weights' gradient) at the
+      tiling its own table or default rule picks, with the weights in its
+      layout [G, K, N] (an engine stores them so once, at load).
+    An entry is (fn, vmem limit, tiling) or, for an anchor taking the
+    weights in another layout, (fn, vmem limit, tiling, weights' shape).
     """
     from ragged_dot import ops, tuning
 
@@ -151,7 +157,45 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
     impls.update({f"megablox sweep {i}": (anchor(t), scoped, t) for i, t in enumerate(sweep)})
     if pass_name != "dw":
         impls["tokamax"] = (_tokamax(transpose), scoped, (128, 128, 128))
+        tpu_inference = _tpu_inference_gmm()
+        if tpu_inference is not None:
+            # Its weights are [G, K, N]: an engine stores them so once, at load time.
+            groups_, rest = b_shape[0], b_shape[1:]
+            k_n = rest[::-1] if transpose else rest
+            tiling = tpu_inference.tiling_for(rows, *k_n, groups_)
+            impls["tpu-inference"] = (lambda x, w, g: tpu_inference.gmm(x, w, g, jnp.bfloat16), scoped, tiling,
+                                      (groups_, *k_n))
     return impls
+
+
+@functools.cache
+def _tpu_inference_gmm():
+    """vLLM's TPU grouped matmul (tpu-inference 0.32.0, a megablox fork with
+    its own tuned table), loaded from its files: its package imports vLLM,
+    which the bench does not install. None where it is not installed."""
+    import importlib.util
+    import logging
+    import types
+
+    spec = importlib.util.find_spec("tpu_inference")
+    if spec is None or spec.submodule_search_locations is None:
+        return None
+    if "tpu_inference.logger" not in sys.modules:
+        package = types.ModuleType("tpu_inference")
+        package.__path__ = list(spec.submodule_search_locations)
+        logger = types.ModuleType("tpu_inference.logger")
+
+        def init_logger(name):  # vLLM's logger adds warning_once
+            log = logging.getLogger(name)
+            log.warning_once = log.warning
+            return log
+
+        logger.init_logger = init_logger
+        sys.modules.update({"tpu_inference": package, "tpu_inference.logger": logger})
+    gmm = importlib.import_module("tpu_inference.kernels.megablox.gmm")
+    tuned = importlib.import_module("tpu_inference.kernels.megablox.tuned_block_sizes")
+    tiling_for = lambda m, k, n, g: tuple(tuned.get_tuned_block_sizes(m, k, n, g, g, "bfloat16", "bfloat16", k))
+    return types.SimpleNamespace(gmm=gmm.gmm, tiling_for=tiling_for)
 
 
 def _tokamax(transpose_rhs: bool):
@@ -197,7 +241,7 @@ def schedule_model(costs, report) -> dict:
                 weight_pushes_per_step=schedule.weight_pushes)
 
 
-IMPLS = ("ours", "megablox 128^3", "megablox ours' tiles", "megablox best", "tokamax")
+IMPLS = ("ours", "megablox 128^3", "megablox ours' tiles", "megablox best", "tokamax", "tpu-inference")
 
 
 def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: str, compile_check: bool,
@@ -217,17 +261,18 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
     results = []
     impls = implementations(pass_name, generation, a_shape, b_shape, shape.experts, shape.gpt_oss_layout)
     walks = {}  # megablox's walk per tiling: tokamax's is the same grid
-    for impl, (fn, vmem_limit, tiling) in impls.items():
+    for impl, (fn, vmem_limit, tiling, *rhs_shape) in impls.items():
         if impl.split(" sweep")[0] not in only and not (impl.startswith("megablox") and "megablox best" in only):
             continue
+        impl_args = (args[0], jax.ShapeDtypeStruct(rhs_shape[0], jnp.bfloat16), args[2]) if rhs_shape else args
         row = dict(model=shape.model, phase=phase, tokens=tokens, matmul=name, pass_=pass_name,
                    generation=generation, impl=impl, tiling="x".join(map(str, tiling)), rows=rows, K=k, N=n,
                    groups=shape.experts, active_groups=active, vmem_limit=vmem_limit,
                    min_bytes=2 * (in_elems + out_elems), min_flops=2 * rows * k * n)
         cost = report = None
         try:
-            if impl == "ours":
-                (cost,), copies = grid_walk.kernel_costs_and_copies(fn, args, gen.mxu_width)
+            if impl in ("ours", "tpu-inference"):
+                (cost,), copies = grid_walk.kernel_costs_and_copies(fn, impl_args, gen.mxu_width)
             else:  # megablox's kernel (tokamax's too: see implementations), walked once per tiling
                 if tiling not in walks:
                     walks[tiling] = grid_walk.kernel_costs_and_copies(_megablox_at(impls, tiling), args, gen.mxu_width)
@@ -240,7 +285,7 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
             row.update(error=f"walk: {str(err).splitlines()[0][:160]}")
         if compile_check:
             try:
-                report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], generation, "")
+                report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in impl_args], generation, "")
                 kernels = [r for op, r in report.kernels.items() if any(n in op for n in KERNEL_NAMES)]
                 row.update(compiles=True, vmem_used=max((r.vmem_bytes for r in kernels), default=None))
             except Exception as err:  # noqa: BLE001
@@ -262,7 +307,7 @@ def as_tokamax(cost):
 
 
 def _megablox_at(impls: dict, tiling):
-    return next(fn for name, (fn, _, t) in impls.items() if name.startswith("megablox") and t == tiling)
+    return next(fn for name, (fn, _, t, *_) in impls.items() if name.startswith("megablox") and t == tiling)
 
 
 def best_of_sweep(rows: list[dict], only) -> list[dict]:
@@ -337,8 +382,10 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "Anchors, each under its own rules: megablox `gmm`/`tgmm` at 128^3, at our tiles, and the best",
         "of a sweep (`megablox best`: 128^3, ours' and the formula's best 3 tilings within Mosaic's",
         "default scoped VMEM, which megablox's API cannot raise); tokamax 0.0.12's Mosaic ragged_dot at",
-        "the config it picks (its tuned table misses these shapes: 128^3). An anchor libtpu refuses is",
-        "no competitor; a row with no compiling anchor is n/a.",
+        "the config it picks (its tuned table misses these shapes: 128^3; it runs on one core of a v5p",
+        "megacore); tpu-inference 0.32.0's gmm (fwd and dx) at the tiling its own table picks, with the",
+        "weights in its layout. An anchor libtpu refuses is no competitor; a row with no compiling anchor",
+        "is n/a.",
         "",
         "Passes: fwd y = x w^T; dx = dy w (activations' gradient); dw = dy^T x per group (weights').",
         "`min MiB`: each input and output once, inactive experts' weights never; `roofline` = our modeled",
