@@ -1,19 +1,22 @@
 """Benchmarks the grouped matmul (`make bench`), modeled on this CPU machine.
 
 For each model's expert shapes, phase (decode, prefill), grouped matmul
-(gate_up, down) and TPU generation, it reports, for our kernel and for jax's
-megablox `gmm` on the same shapes and routing:
+(gate_up, down), pass (forward and both gradients) and TPU generation, it
+reports, for our kernel and for each anchor (`implementations`) on the same
+shapes and routing:
 
 - whether libtpu compiles it for that generation, and the VMEM the
   compiler allocated against the limit;
 - HBM bytes and MXU-padded FLOPs counted from the kernel's own grid, block
   specs and scalar prefetch (bench/grid_walk.py);
-- a modeled time: max(MXU time, HBM time) + 0.35 us per grid step.
+- a modeled time read from the compiled kernel's own schedule and the grid
+  walk, combined as the pipeline runs them (bench/pipeline.py); the former
+  formula, max(MXU time, HBM time) + 0.35 us per step, as a cross-check.
 
 These are MODELED figures, not TPU measurements. On a TPU, `--tpu` times
 real runs of the same shapes through torch_tpu (ours) and JAX (megablox).
 
-Writes bench/results/ragged_dot.md, .json and .png.
+Writes bench/results/ragged_dot.md, .json and a heatmap per generation.
 """
 
 from __future__ import annotations
@@ -528,7 +531,8 @@ def write_charts(results: list[dict], out: Path) -> list[Path]:
             for (i, j), value in np.ndenumerate(grid):
                 ax.text(j, i, "n/a" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=8)
             ax.set_yticks(range(len(models)), models, fontsize=9)
-            ax.set_xticks(range(len(columns)), [f"{p}\n{m} {ps}" for p, m, ps in columns], fontsize=8)
+            labels = ["\n".join([*p.replace("-", "- ").split(" "), f"{m} {ps}"]) for p, m, ps in columns]
+            ax.set_xticks(range(len(columns)), labels, fontsize=8)
             ax.set_title(f"{title} (lower is better)", fontsize=10)
             bar = fig.colorbar(image, ax=ax, fraction=0.03)
             bar.ax.yaxis.set_minor_formatter(NullFormatter())
