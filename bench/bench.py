@@ -115,14 +115,16 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
       ("megablox sweep i": the formula's best `SWEEP` tilings within the
       default scoped VMEM; bench_one reports the fastest as "megablox best");
     - tokamax 0.0.12's Mosaic ragged_dot at the config it picks itself
-      (its tuned table misses these shapes: its default, 128^3). It runs
-      megablox's kernel body inside an in-kernel pipeline: its own compiled
-      schedule is read, its grid is walked as megablox's at the same tiles;
+      (its tuned table, else 128^3). It runs megablox's kernel body inside
+      an in-kernel pipeline: its own compiled schedule is read, its grid is
+      walked as megablox's at the same tiles;
     - tpu-inference's gmm (fwd and dx; it has no weights' gradient) at the
       tiling its own table or default rule picks, with the weights in its
       layout [G, K, N] (an engine stores them so once, at load).
     An entry is (fn, vmem limit, tiling) or, for an anchor taking the
     weights in another layout, (fn, vmem limit, tiling, weights' shape).
+    Also returns megablox's kernel as a function of its tiling (what the
+    megablox and tokamax rows are walked with).
     """
     from ragged_dot import ops, tuning
 
@@ -159,7 +161,7 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
              if t not in ((128, 128, 128), tiling)][:SWEEP]
     impls.update({f"megablox sweep {i}": (anchor(t), scoped, t) for i, t in enumerate(sweep)})
     if pass_name != "dw":
-        impls["tokamax"] = (_tokamax(transpose), scoped, (128, 128, 128))
+        impls["tokamax"] = (_tokamax(transpose), scoped, _tokamax_tiling(a_shape, b_shape, transpose))
         tpu_inference = _tpu_inference_gmm()
         if tpu_inference is not None:
             # Its weights are [G, K, N]: an engine stores them so once, at load time.
@@ -168,7 +170,7 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
             tiling = tpu_inference.tiling_for(rows, *k_n, groups_)
             impls["tpu-inference"] = (lambda x, w, g: tpu_inference.gmm(x, w, g, jnp.bfloat16), scoped, tiling,
                                       (groups_, *k_n))
-    return impls
+    return impls, anchor
 
 
 @functools.cache
@@ -201,10 +203,31 @@ def _tpu_inference_gmm():
     return types.SimpleNamespace(gmm=gmm.gmm, tiling_for=tiling_for)
 
 
-def _tokamax(transpose_rhs: bool):
-    numbers = jax.lax.RaggedDotDimensionNumbers(
+def _tokamax_numbers(transpose_rhs: bool):
+    return jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2 if transpose_rhs else 1]), ([], [])),
         lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _tokamax_tiling(a_shape, b_shape, transpose_rhs: bool):
+    """The tiles tokamax's Mosaic ragged_dot picks for these shapes (its tuned
+    table, else its default); 128^3 where tokamax is not installed."""
+    try:
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu
+    except ImportError:
+        return (128, 128, 128)
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    op = pallas_mosaic_tpu.PallasMosaicTpuRaggedDot()
+    bound = op.bind(spec(a_shape), spec(b_shape), group_sizes=spec(b_shape[:1], jnp.int32),
+                    ragged_dot_dimension_numbers=_tokamax_numbers(transpose_rhs))
+    config = op._get_heuristics_config(bound)
+    if config.input_buffer_count != 2:  # the pipeline model is double-buffered
+        raise NotImplementedError(f"tokamax picks {config.input_buffer_count} input buffers")
+    return config.tile_m, config.tile_k, config.tile_n
+
+
+def _tokamax(transpose_rhs: bool):
+    numbers = _tokamax_numbers(transpose_rhs)
 
     def call(x, w, g):
         import tokamax  # requirements-bench.txt; only needed to compile it
@@ -217,8 +240,8 @@ def _tokamax(transpose_rhs: bool):
 def modeled_seconds(cost, generation: str, parallel_extent: int, copy_bytes: int = 0) -> dict:
     """The formula model (max(MXU, HBM) + a fixed cost per step) applied to a
     walked kernel's counts, plus the padding copies outside it (at full
-    bandwidth, not overlapped). Kept as a cross-check of the schedule model
-    (`formula_us`), and used by the tuning's ranking until it moves over."""
+    bandwidth, not overlapped). Kept as a cross-check of the schedule model:
+    the bench's `formula_us`, and the tuning records' `formula_us`."""
     gen = GENERATIONS[generation]
     parts = modeled_time(gen, cost.mxu_flops, cost.hbm_bytes, cost.grid_steps, parallel_extent)
     parts["copy"] = copy_bytes / gen.hbm_bytes_per_s
@@ -226,7 +249,7 @@ def modeled_seconds(cost, generation: str, parallel_extent: int, copy_bytes: int
     return {f"{'modeled' if key == 'total' else key}_us": value * 1e6 for key, value in parts.items()}
 
 
-# Names of the Pallas kernels in libtpu's report: ours, megablox's, tokamax's.
+# Names of the Pallas kernels in libtpu's report: ours, megablox's, tokamax's and tpu-inference's.
 KERNEL_NAMES = ("ragged_dot_tpu", "gmm", "tgmm")
 
 
@@ -234,7 +257,7 @@ def schedule_model(costs, report) -> dict:
     """The schedule model (bench/pipeline.py) for a compiled program whose
     Pallas kernels were walked: each kernel's pipeline, and XLA's ops
     around them. Fields in us, with the first kernel's schedule figures."""
-    schedules = {op: r.schedule for op, r in report.kernels.items() if r.schedule} | report.other_ops
+    schedules = report.schedules
     parts = pipeline.program_seconds(costs, schedules, report.generation)
     schedule = schedules[parts["kernel_ops"][0]]
     return dict(modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, around_us=parts["around"] * 1e6,
@@ -262,7 +285,7 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
     out_elems = shape.experts * k * n if pass_name == "dw" else rows * (k if pass_name == "dx" else n)
     in_elems = rows * (k + n) if pass_name == "dw" else rows * a_shape[1] + active * k * n
     results = []
-    impls = implementations(pass_name, generation, a_shape, b_shape, shape.experts, shape.gpt_oss_layout)
+    impls, megablox_at = implementations(pass_name, generation, a_shape, b_shape, shape.experts, shape.gpt_oss_layout)
     walks = {}  # megablox's walk per tiling: tokamax's is the same grid
     for impl, (fn, vmem_limit, tiling, *rhs_shape) in impls.items():
         if impl.split(" sweep")[0] not in only and not (impl.startswith("megablox") and "megablox best" in only):
@@ -278,7 +301,7 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
                 (cost,), copies = grid_walk.kernel_costs_and_copies(fn, impl_args, gen.mxu_width)
             else:  # megablox's kernel (tokamax's too: see implementations), walked once per tiling
                 if tiling not in walks:
-                    walks[tiling] = grid_walk.kernel_costs_and_copies(_megablox_at(impls, tiling), args, gen.mxu_width)
+                    walks[tiling] = grid_walk.kernel_costs_and_copies(megablox_at(tiling), args, gen.mxu_width)
                 (cost,), copies = walks[tiling]
                 cost = as_tokamax(cost) if impl == "tokamax" else cost
             formula = modeled_seconds(cost, generation, cost.grid[0], copies)
@@ -307,10 +330,6 @@ def as_tokamax(cost):
     pallas_call (an in-kernel pipeline), so no axis is split over a v5p
     megacore's two cores."""
     return dataclasses.replace(cost, dimension_semantics=("arbitrary",) * len(cost.grid))
-
-
-def _megablox_at(impls: dict, tiling):
-    return next(fn for name, (fn, _, t, *_) in impls.items() if name.startswith("megablox") and t == tiling)
 
 
 def best_of_sweep(rows: list[dict], only) -> list[dict]:
@@ -385,8 +404,9 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "Anchors, each under its own rules: megablox `gmm`/`tgmm` at 128^3, at our tiles, and the best",
         "of a sweep (`megablox best`: 128^3, ours' and the formula's best 3 tilings within Mosaic's",
         "default scoped VMEM, which megablox's API cannot raise); tokamax 0.0.12's Mosaic ragged_dot at",
-        "the config it picks (its tuned table misses these shapes: 128^3; it runs on one core of a v5p",
-        "megacore); tpu-inference 0.32.0's gmm (fwd and dx) at the tiling its own table picks, with the",
+        "the config it picks (its tuned table, else 128^3; it runs on one core of a v5p megacore; its",
+        "schedule's regions do not map to its body, so its rows count every region as running: an upper",
+        "bound); tpu-inference 0.32.0's gmm (fwd and dx) at the tiling its own table picks, with the",
         "weights in its layout. An anchor libtpu refuses is no competitor; a row with no compiling anchor",
         "is n/a.",
         "",
@@ -441,6 +461,14 @@ def summary_lines(results: list[dict]) -> list[str]:
                 f"| {generation} | {pass_name} | {len(rows)} | {sum(x <= 1 + 1e-9 for x in ratios)} "
                 f"| {len(rows) - len(ratios)} | {geomean(ratios):.2f} | {max(ratios, default=float('nan')):.2f} "
                 f"| {geomean([r['vs_roofline'] for r in rows]):.2f} |")
+    unmapped = {}
+    for r in results:
+        if r.get("regions_mapped") is False:
+            unmapped[r["impl"]] = unmapped.get(r["impl"], 0) + 1
+    if unmapped:
+        lines += ["", "Rows whose schedule regions could not be matched to the kernel's `pl.when` bodies count every "
+                  "region as running (an upper bound on compute): "
+                  + ", ".join(f"{impl} {n}" for impl, n in sorted(unmapped.items())) + "."]
     return lines
 
 

@@ -117,7 +117,7 @@ def model_case(case: dict) -> dict:
     vmem_kib = GENERATIONS[generation].vmem_bytes // 1024
     report = tpu_compile.compile_for(fn, [(a.shape, a.dtype) for a in args], generation, "",
                                      {"xla_tpu_scoped_vmem_limit_kib": str(vmem_kib)})
-    schedules = {op: r.schedule for op, r in report.kernels.items() if r.schedule} | report.other_ops
+    schedules = report.schedules
     parts = pipeline.program_seconds(costs, schedules, generation)
     return dict(case, modeled_ms=parts["modeled"] * 1e3, ratio=parts["modeled"] * 1e3 / case["measured_ms"],
                 compute_ms=parts["compute"] * 1e3, dma_ms=parts["dma"] * 1e3, xla_ops_ms=parts["around"] * 1e3,

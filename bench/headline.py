@@ -124,7 +124,7 @@ def model_program(fn, args) -> dict:
     costs = grid_walk.kernel_costs(fn, args, gen.mxu_width)
     specs = [(a.shape, a.dtype) for a in args]
     report = tpu_compile.compile_for(fn, specs, GENERATION, "")
-    schedules = {op: r.schedule for op, r in report.kernels.items() if r.schedule} | report.other_ops
+    schedules = report.schedules
     parts = pipeline.program_seconds(costs, schedules, GENERATION)
     # XLA ops whose loops run a count known only at run time: counted once, so a lower bound.
     dynamic = [op for op, s in schedules.items() if op not in parts["kernel_ops"]

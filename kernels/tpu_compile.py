@@ -51,7 +51,6 @@ def configure_environment(dump_dir: str | None = None) -> Path:
 @dataclasses.dataclass
 class KernelReport:
     vmem_bytes: int  # all VMEM the compiler allocated for the kernel
-    bundles: int | None  # VLIW bundles in its final schedule (static, per kernel body)
     schedule: "tpu_schedule.Schedule | None" = None  # its final bundles, read (kernels/tpu_schedule.py)
 
 
@@ -65,6 +64,11 @@ class CompileReport:
     # Every other op of the program (XLA's fusions, copies, sorts around the
     # kernel): its schedule, keyed by HLO op name.
     other_ops: dict[str, "tpu_schedule.Schedule"] = dataclasses.field(default_factory=dict)
+
+    @property
+    def schedules(self) -> dict[str, "tpu_schedule.Schedule"]:
+        """Every compiled op's schedule, keyed by HLO op name."""
+        return {op: r.schedule for op, r in self.kernels.items() if r.schedule} | self.other_ops
 
 
 _devices = {}
@@ -121,7 +125,7 @@ _FINAL_BUNDLES = re.compile(r"^\d+-(.+)-\d+-final_bundles\.txt$")
 
 
 def _read_dump(dump: Path, files: list[str], kernel_name: str):
-    capacity, vmem, bundles, schedules = None, {}, {}, {}
+    capacity, vmem, schedules = None, {}, {}
     for name in files:
         path = Path(dump) / name
         if name.endswith("vmem_report.html"):
@@ -133,14 +137,7 @@ def _read_dump(dump: Path, files: list[str], kernel_name: str):
                 # names it (copies around it) and "<top-inlining-caller>" are not it.
                 if kernel_name in op and not op.startswith("<"):
                     vmem[op] = info["total_size"]
-        elif name.endswith("schedule-analysis_final_bundles.txt"):
-            match = re.search(r"total scheduled bundles:\s+(\d+)", path.read_text())
-            if match:
-                bundles[name] = int(match.group(1))
         elif (match := _FINAL_BUNDLES.match(name)) and not match.group(1).startswith(("TLP", "<")):
             schedules[match.group(1)] = tpu_schedule.read_schedule(path.read_text())
-    kernels = {
-        op: KernelReport(size, next((b for f, b in bundles.items() if f"-{op}-" in f), None), schedules.get(op))
-        for op, size in vmem.items()
-    }
+    kernels = {op: KernelReport(size, schedules.get(op)) for op, size in vmem.items()}
     return capacity, kernels, {op: s for op, s in schedules.items() if op not in kernels}

@@ -74,6 +74,17 @@ def test_reads_a_hand_written_schedule():
     assert s.fill_drain_cycles == 3 + 2 * (s.iteration_cycles - s.stage.cycles)
 
 
+def test_xla_op_traffic_falls_back_to_its_operands():
+    """Where a DMA's size is known only at run time, an XLA op's traffic is
+    its HBM operands once each, at full bandwidth when that outlasts its cycles."""
+    s = tpu_schedule.read_schedule(HAND_SCHEDULE.replace(
+        "%13 = dma.vmem_to_vmem", "%13 = dma.general (%p1), /*src=*/%s1, /*size_in_granules=*/%s5, /*dst=*/%s2 ;; %14 = dma.vmem_to_vmem"))
+    assert s.hbm_dma_bytes is None and s.hbm_operand_bytes == 512 * 256 * 2
+    gen = GENERATIONS["v6e"]
+    assert pipeline.around_seconds({"op": s}, "v6e") == pytest.approx(
+        max(s.total_cycles / gen.clock_hz, 512 * 256 * 2 / gen.hbm_bytes_per_s))
+
+
 def test_pipeline_sum_matches_a_hand_count():
     """Three steps at 1 byte/s, no latency: fetch(0) = 2, then
     max(5, fetch(1) 3) + max(1, fetch(2) 4 + write(0) 6) + max(2, write(1) 0),
