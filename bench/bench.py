@@ -45,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.generations import GENERATIONS, modeled_time  # noqa: E402
+from runtime.generations import GENERATIONS  # noqa: E402
 
 import pipeline  # noqa: E402
 
@@ -112,8 +112,9 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
     Anchors, each under its own rules (megablox's API takes no VMEM limit,
     so its tilings must fit Mosaic's default scoped VMEM):
     - megablox at its default tiling 128^3, at ours, and the best of a sweep
-      ("megablox sweep i": the formula's best `SWEEP` tilings within the
-      default scoped VMEM; bench_one reports the fastest as "megablox best");
+      ("megablox sweep i": the `SWEEP` tilings our block rule's model rates
+      best within the default scoped VMEM; bench_one reports the fastest as
+      "megablox best");
     - tokamax 0.0.12's Mosaic ragged_dot at the config it picks itself
       (its tuned table, else 128^3). It runs megablox's kernel body inside
       an in-kernel pipeline: its own compiled schedule is read, its grid is
@@ -137,19 +138,17 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
         limit = tuning.vmem_limit(tuning.weight_grad_buffers(blocks, 2), generation)
         ours = lambda a, b, g: ops._weight_grad(a, b, g, jnp.bfloat16, generation, False)
         anchor = lambda t: lambda a, b, g: megablox.tgmm(a.T, b, g, jnp.bfloat16, tiling=t)
-        ranked = tuning.ranked_blocks(tuning.modeled_weight_grad_seconds, tuning.weight_grad_buffers, rows, p, q,
-                                      groups, generation, 2, scoped)
+        ranked = tuning.ranked_blocks("weight_grad", rows, p, q, groups, generation, 2, scoped)
     else:
         # Weights [G, N, K] are contracted on their last dim in fwd; gpt-oss's in dx.
         transpose = (pass_name == "fwd") != gpt_oss_layout
         out_n = b_shape[1] if transpose else b_shape[2]
-        blocks = tuning.choose_blocks(rows, a_shape[1], out_n, groups, generation)
+        blocks = tuning.choose_blocks(rows, a_shape[1], out_n, groups, generation, transpose_rhs=transpose)
         limit = tuning.vmem_limit(tuning.forward_buffers(blocks, 2), generation)
         ours = lambda x, w, g: ops.ragged_dot(x, w, g, transpose_rhs=transpose, generation=generation,
                                               interpret=False)
         anchor = lambda t: lambda x, w, g: megablox.gmm(x, w, g, jnp.bfloat16, tiling=t, transpose_rhs=transpose)
-        ranked = tuning.ranked_blocks(tuning.modeled_seconds, tuning.forward_buffers, rows, a_shape[1], out_n,
-                                      groups, generation, 2, scoped)
+        ranked = tuning.ranked_blocks("forward", rows, a_shape[1], out_n, groups, generation, 2, scoped, transpose)
     tiles = lambda b: (b.block_m, b.block_k, b.block_n)
     tiling = tiles(blocks)
     impls = {
@@ -237,13 +236,26 @@ def _tokamax(transpose_rhs: bool):
     return call
 
 
+STEP_OVERHEAD_S = 0.35e-6  # the formula's fixed cost per grid step (Pallas's TPU guide)
+
+
+def formula_time(gen, flops: float, hbm_bytes: float, grid_steps: int, parallel_tiles: int) -> dict:
+    """The former model (seconds): max(MXU time, HBM time) plus a fixed cost
+    per grid step; a "parallel" axis shorter than the core count idles cores."""
+    cores = min(gen.cores_per_device, parallel_tiles)
+    mxu = flops / (gen.bf16_flops * cores / gen.cores_per_device)
+    hbm = hbm_bytes / gen.hbm_bytes_per_s
+    steps = grid_steps / cores * STEP_OVERHEAD_S
+    return {"mxu": mxu, "hbm": hbm, "steps": steps, "total": max(mxu, hbm) + steps}
+
+
 def modeled_seconds(cost, generation: str, parallel_extent: int, copy_bytes: int = 0) -> dict:
     """The formula model (max(MXU, HBM) + a fixed cost per step) applied to a
     walked kernel's counts, plus the padding copies outside it (at full
     bandwidth, not overlapped). Kept as a cross-check of the schedule model:
     the bench's `formula_us`, and the tuning records' `formula_us`."""
     gen = GENERATIONS[generation]
-    parts = modeled_time(gen, cost.mxu_flops, cost.hbm_bytes, cost.grid_steps, parallel_extent)
+    parts = formula_time(gen, cost.mxu_flops, cost.hbm_bytes, cost.grid_steps, parallel_extent)
     parts["copy"] = copy_bytes / gen.hbm_bytes_per_s
     parts["total"] += parts["copy"]
     return {f"{'modeled' if key == 'total' else key}_us": value * 1e6 for key, value in parts.items()}

@@ -30,27 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.generations import GENERATIONS
-
-# Issue to completion of one step's DMAs beyond their bytes at full
-# bandwidth. Pallas's TPU guide puts the fixed cost of a grid step near
-# 0.35 us; the step's own bookkeeping cycles are already in the schedule.
-DMA_LATENCY_S = 0.3e-6
-
-
-def pipeline_seconds(compute_s: np.ndarray, fetch_bytes: np.ndarray, write_bytes: np.ndarray,
-                     bytes_per_s: float, latency_s: float = DMA_LATENCY_S) -> float:
-    """The double-buffered pipeline's time over one core's steps, in order."""
-    compute_s = np.asarray(compute_s, np.float64)
-    if compute_s.size == 0:
-        return 0.0
-    dma = lambda b: np.where(b > 0, b / bytes_per_s + latency_s, 0.0)
-    fetch, write = np.asarray(fetch_bytes), np.asarray(write_bytes)
-    # While step i computes: step i+1's fetch and step i-1's write-back.
-    overlapped = np.zeros_like(compute_s)
-    overlapped[:-1] += fetch[1:]
-    overlapped[1:] += write[:-1]
-    return float(dma(fetch[:1])[0] + np.maximum(compute_s, dma(overlapped)).sum() + dma(write[-1:])[0])
+# The pipeline sum and DMA latency live with the generation table: the block rule uses them too.
+from runtime.generations import DMA_LATENCY_S, GENERATIONS, pipeline_seconds  # noqa: F401
 
 
 def core_of_step(grid: tuple[int, ...], semantics: tuple[str, ...], cores: int) -> np.ndarray:
@@ -69,8 +50,10 @@ def region_runs(cost, schedule) -> np.ndarray | None:
     kernel's top-level conds in program order, matched one to one (a region
     holds matmuls exactly when its cond's body does). Mosaic folds a cond
     on grid indices alone that is constant over the grid (`k == 0` with one
-    k step), so those are dropped when the counts differ. None when they
-    cannot be matched."""
+    k step), so those are dropped when the counts differ. Where a block
+    overhangs a dim that is not a multiple of 128 (gpt-oss's 2880), Mosaic
+    adds regions of its own after the kernel's, without matmuls: those count
+    as running at every step. None when they cannot be matched."""
     if not all(cost.when_known):
         return None
     runs, has_dot = cost.when_runs, np.asarray(cost.when_has_dot, bool)
@@ -78,8 +61,9 @@ def region_runs(cost, schedule) -> np.ndarray | None:
     varying = ~folded
     region_dots = np.array([r.matmuls > 0 for r in schedule.regions], bool)
     for keep in (np.ones(runs.shape[1], bool), varying):
-        if keep.sum() == len(schedule.regions) and np.array_equal(has_dot[keep], region_dots):
-            return runs[:, keep]
+        ours, extra = region_dots[:keep.sum()], region_dots[keep.sum():]
+        if np.array_equal(has_dot[keep], ours) and not extra.any():
+            return np.concatenate([runs[:, keep], np.ones((len(runs), len(extra)), bool)], axis=1)
     return None
 
 

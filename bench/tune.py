@@ -5,9 +5,10 @@ generation, it traces transformers' experts forward (and, for prefill, its
 gradient) to find every grouped matmul the kernels look blocks up for, then
 for each one:
 
-1. takes the block choices the cost model (ragged_dot/tuning.py) rates best,
-   allowing buffers up to what the chip's VMEM holds (`max_buffers`), not
-   only Mosaic's default scoped limit the rule keeps to, plus the rule's;
+1. takes the block choices the rule's model (`tuning.modeled_seconds`)
+   rates best, allowing buffers up to what the chip's VMEM holds
+   (`max_buffers`), not only Mosaic's default scoped limit the rule keeps
+   to, plus the rule's own choice;
 2. rates each with the bench's schedule model (bench/pipeline.py): the
    grid walk on the real routing, and the compiled kernel's schedule. A
    kernel's schedule does not depend on its row count (checked: the same
@@ -16,8 +17,15 @@ for each one:
 3. compiles the fastest with libtpu at the entry's own shapes; a choice
    that does not compile or exceeds its VMEM limit is dropped for the next.
 
-Evidence goes to bench/results/tuning_<generation>.json; the table to
-ragged_dot/tuned_blocks.py (generated from those files; do not edit it).
+Before that (`--fit`, or when a generation has no fit yet) it fits the
+rule's step cycles (`tuning.StepCycles`) to the compiled schedules of a
+fixed sample of tilings (`fit_sample`), per generation, kernel, dtype and
+weight layout,
+into bench/results/step_cycles_<generation>.json.
+
+Evidence goes to bench/results/tuning_<generation>.json; the table and the
+fitted step cycles to ragged_dot/tuned_blocks.py (generated from those
+files; do not edit it).
 """
 
 from __future__ import annotations
@@ -33,17 +41,18 @@ import bench  # sets up sys.path and the CPU / libtpu environment
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import grid_walk  # noqa: E402
 import pipeline  # noqa: E402
 import tpu_compile  # noqa: E402
 import tpu_schedule  # noqa: E402
-from ragged_dot import ops, tuning  # noqa: E402
+from ragged_dot import kernel, ops, tuning  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
 
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]  # the buckets 1..64 sequences reach
 PREFILL_TOKENS = [2048, 4096, 8192, 16384]
-CANDIDATES = 4  # how many of the cost model's best each entry walks
+CANDIDATES = 3  # how many of the rule model's best each entry rates with the bench
 HBM_OOM = "CompileTimeHbmOom"  # libtpu's error when a program's buffers exceed the chip's HBM
 RESULTS = bench.BENCH / "results"
 TABLE = bench.REPO / "ragged_dot" / "tuned_blocks.py"
@@ -93,17 +102,17 @@ def grouped_matmuls(shape: bench.MoeShape, tokens: int, generation: str, trainin
     return list(dict.fromkeys(calls))
 
 
-def call_fn(call, groups, generation):
-    """(fn(a, b, group_sizes), table, key, model, buffers) of one recorded call."""
+def call_fn(call, groups, generation, dtype=jnp.bfloat16):
+    """(fn(a, b, group_sizes), table, key) of one recorded call."""
     kind, a_shape, b_shape, transpose_rhs = call
+    itemsize = jnp.dtype(dtype).itemsize
     if kind == "forward":
         n = b_shape[1] if transpose_rhs else b_shape[2]
         fn = lambda a, b, g: ops._forward(a, b, g, transpose_rhs, generation, False)
-        return fn, tuning.TUNED, (*a_shape, n, groups, 2), tuning.modeled_seconds, tuning.forward_buffers
+        return fn, tuning.TUNED, (*a_shape, n, groups, itemsize)
     # [rows, P], [rows, Q] -> [G, P, Q]
-    fn = lambda a, b, g: ops._weight_grad(a, b, g, jnp.bfloat16, generation, False)
-    return (fn, tuning.TUNED_WEIGHT_GRAD, (*a_shape, b_shape[1], groups, 2), tuning.modeled_weight_grad_seconds,
-            tuning.weight_grad_buffers)
+    fn = lambda a, b, g: ops._weight_grad(a, b, g, dtype, generation, False)
+    return fn, tuning.TUNED_WEIGHT_GRAD, (*a_shape, b_shape[1], groups, itemsize)
 
 
 def fresh(fn):
@@ -112,11 +121,11 @@ def fresh(fn):
     return lambda *args: fn(*args)
 
 
-def schedule_key(call, blocks) -> str:
+def schedule_key(call, blocks, dtype) -> str:
     """What a kernel's compiled schedule depends on: everything but the row count."""
     kind, a_shape, b_shape, transpose_rhs = call
     return json.dumps([kind, list(a_shape[1:]), list(b_shape if kind == "forward" else b_shape[1:]), transpose_rhs,
-                       list(blocks.__dict__.values())])
+                       list(blocks.__dict__.values()), jnp.dtype(dtype).name])
 
 
 def schedule_cache(generation: str) -> dict:
@@ -127,7 +136,7 @@ def schedule_cache(generation: str) -> dict:
 def cached_schedule(cache: dict, fn, args, call, blocks, generation):
     """The compiled kernel's schedule and VMEM for one tiling (compiled on a
     miss), or None where libtpu refuses the tiling."""
-    key = schedule_key(call, blocks)
+    key = schedule_key(call, blocks, args[0].dtype)
     if key not in cache:
         file = RESULTS / f"schedules_{generation}.json"
         try:
@@ -144,22 +153,168 @@ def cached_schedule(cache: dict, fn, args, call, blocks, generation):
     return (tpu_schedule.from_dict(entry["schedule"]), entry["vmem_used"]) if "schedule" in entry else (None, None)
 
 
+# The tilings the rule's step cycles are fitted to: every bm with a spread of
+# (K block, N block) at two problem shapes (K = N = 2048; and 2880, gpt-oss's,
+# whose blocks take the whole dim or leave a masked tail), for both kernels
+# and dtypes (f32 only up to 1024x1024 weight blocks: its HIGHEST-precision
+# steps past that take minutes each to compile). Rows and groups do not
+# change a schedule.
+FIT_ROWS, FIT_GROUPS = 4096, 8
+FIT_BLOCK_M = (16, 64, 128, 256, 512, 1024)
+FIT_KN = {2048: ((256, 256), (512, 512), (512, 1024), (1024, 512), (1024, 1024), (2048, 512), (512, 2048), (2048, 2048)),
+          2880: ((2880, 2880), (1024, 1024), (2880, 512), (512, 2880))}
+FIT_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def fit_sample(generation: str):
+    """(call, blocks, dtype) of each tiling the fit compiles (those within the chip's VMEM)."""
+    for dtype in FIT_DTYPES:
+        for dim, kn in FIT_KN.items():
+            calls = {("forward", True): ("forward", (FIT_ROWS, dim), (FIT_GROUPS, dim, dim), True),  # weights [G, N, K]
+                     ("forward", False): ("forward", (FIT_ROWS, dim), (FIT_GROUPS, dim, dim), False),  # [G, K, N]
+                     ("weight_grad", False): ("weight_grad", (FIT_ROWS, dim), (FIT_ROWS, dim), None)}
+            for (kind, _), call in calls.items():
+                for bm in FIT_BLOCK_M:
+                    for bk, bn in kn:
+                        blocks, itemsize = kernel.BlockSizes(bm, bk, bn), jnp.dtype(dtype).itemsize
+                        if itemsize == 4 and bk * bn > 1024 * 1024:
+                            continue
+                        if tuning.BUFFERS[kind](blocks, itemsize) <= tuning.max_buffers(generation):
+                            yield call, blocks, dtype
+
+
+def sample_schedules(generation: str, cache: dict) -> list:
+    """[(kind, blocks, (itemsize, transpose_rhs), (K, N), schedule)] of the fit sample, compiled on a cache miss."""
+    points = []
+    for call, blocks, dtype in fit_sample(generation):
+        fn, table, key = call_fn(call, FIT_GROUPS, generation, dtype)
+        args = (jax.ShapeDtypeStruct(call[1], dtype), jax.ShapeDtypeStruct(call[2], dtype),
+                jax.ShapeDtypeStruct((FIT_GROUPS,), jnp.int32))
+        table[generation][key] = blocks
+        try:
+            schedule, _ = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
+        finally:
+            del table[generation][key]
+        if schedule is not None:
+            points.append((call[0], blocks, (jnp.dtype(dtype).itemsize, bool(call[3])), (call[1][1], call[2][1]), schedule))
+    return points
+
+
+def measured_parts(schedule) -> dict:
+    """A kernel's step, cut as `tuning.StepCycles` models it: the pl.when
+    bodies with matmuls are its MXU passes; those before them zero the
+    accumulator (none when Mosaic folds `k == 0` away: one K step), those
+    after store it (the forward's second one merges with earlier rows).
+    None where Mosaic laid the step out otherwise (one region holding it all)."""
+    cycles = [r.cycles for r in schedule.regions]
+    passes = [i for i, r in enumerate(schedule.regions) if r.matmuls > 0]
+    before, after = cycles[:passes[0]], cycles[passes[-1] + 1:]
+    if not after:
+        return None
+    return dict(mxu_pass=float(np.mean([cycles[i] for i in passes])), zero=before[0] if before else None,
+                store=after[0], merge=after[1] if len(after) > 1 else None,
+                base=schedule.iteration_cycles - sum(cycles), fill_drain=schedule.fill_drain_cycles)
+
+
+def fit_step_cycles(points: list, generation: str) -> dict:
+    """{(kind, itemsize, transpose_rhs): StepCycles fields} from the sample's schedules: the
+    MXU pass's median cycles per (rows per pass, weight tiles); least-squares
+    lines for the rest."""
+    def line(rows):  # rows: (features..., cycles) -> coefficients of (1, features...)
+        data = np.asarray(rows, np.float64)
+        design = np.column_stack([np.ones(len(data)), data[:, :-1]])
+        return tuple(round(float(c), 3) for c in np.linalg.lstsq(design, data[:, -1], rcond=None)[0])
+
+    fitted = {}
+    for kind, layout in sorted({(p[0], p[2]) for p in points}):
+        mine = [(tuning.features(kind, b, *dims, generation), measured_parts(s)) for k_, b, i, dims, s in points
+                if (k_, i) == (kind, layout) and measured_parts(s) is not None]
+        passes = {}
+        for f, m in mine:
+            passes.setdefault(f["pass_rows"], {}).setdefault(f["tiles"], []).append(m["mxu_pass"])
+        zero = line([(f["acc"], m["zero"]) for f, m in mine if m["zero"] is not None])
+        fields = dict(
+            mxu_pass={rows: tuple((tiles, round(float(np.median(c)), 1)) for tiles, c in sorted(by_tiles.items()))
+                      for rows, by_tiles in sorted(passes.items())},
+            zero=zero,
+            store=line([(f["acc"], m["store"]) for f, m in mine]),
+            fill_drain=line([(f["acc"], m["fill_drain"]) for f, m in mine]),
+            # Where Mosaic folded the zeroing into the step, take it back out.
+            base=line([(f["passes"], f["ragged"], f["ragged"] * f["passes"],
+                        m["base"] - (0 if m["zero"] is not None else zero[0] + zero[1] * f["acc"])) for f, m in mine]),
+        )
+        merges = [(f["acc"], m["merge"]) for f, m in mine if m["merge"] is not None]
+        fields["merge"] = line(merges) if kind == "forward" and merges else fields["store"]
+        fitted[(kind, *layout)] = fields
+    return fitted
+
+
+def step_errors(points: list, generation: str) -> list[float]:
+    """Per sample tiling: (modeled - compiled) / compiled cycles of a step that
+    runs every pass, zeroes and stores (the rule's model against the schedule)."""
+    errors = []
+    for kind, blocks, (itemsize, transpose_rhs), dims, schedule in points:
+        m, c = measured_parts(schedule), tuning.step_parts(kind, blocks, *dims, generation, itemsize, transpose_rhs)
+        if m is None:
+            continue
+        passes = tuning.features(kind, blocks, *dims, generation)["passes"]
+        measured = m["base"] + (m["zero"] or 0) + passes * m["mxu_pass"] + m["store"]
+        errors.append((c["base"] + c["zero"] + passes * c["mxu_pass"] + c["store"]) / measured - 1)
+    return errors
+
+
+def fit_file(generation: str) -> Path:
+    return RESULTS / f"step_cycles_{generation}.json"
+
+
+def load_fit(generation: str) -> dict:
+    """{(kind, itemsize, transpose_rhs): StepCycles fields} as written by `fit`."""
+    fitted = {}
+    for name, fields in json.loads(fit_file(generation).read_text())["fitted"].items():
+        kind, itemsize, transpose_rhs = name.split()
+        fields = dict(fields, mxu_pass={int(rows): tuple(map(tuple, points)) for rows, points in fields["mxu_pass"].items()})
+        fitted[(kind, int(itemsize), transpose_rhs == "True")] = {
+            key: tuple(v) if isinstance(v, list) else v for key, v in fields.items()}
+    return fitted
+
+
+def fit(generation: str) -> dict:
+    """Fits the generation's step cycles, installs them in the rule, and
+    writes them with the fit's errors."""
+    points = sample_schedules(generation, schedule_cache(generation))
+    fitted = fit_step_cycles(points, generation)
+    tuning.STEP_CYCLES[generation] = fitted
+    tuning.rule_blocks.cache_clear()
+    tuning.rule_weight_grad_blocks.cache_clear()
+    errors = np.asarray(step_errors(points, generation))
+    record = dict(generation=generation, tilings=len(points), laid_out_otherwise=len(points) - len(errors),
+                  max_abs_error=float(np.abs(errors).max()),
+                  mean_abs_error=float(np.abs(errors).mean()),
+                  fitted={" ".join(map(str, key)): fields for key, fields in fitted.items()})
+    # JSON keys are strings: the table keys rows per pass as ints again (`load_fit`).
+    fit_file(generation).write_text(json.dumps(record, indent=1))
+    return record
+
+
 def tune_call(shape, tokens, call, generation, cache=None):
     """Rates the cost model's best candidates with the schedule model,
     compiles the winner at the entry's shapes; returns the record."""
-    fn, table, key, model, buffers = call_fn(call, shape.experts, generation)
+    fn, table, key = call_fn(call, shape.experts, generation)
     kind, a_shape, b_shape, _ = call
     rows, k, n, groups, itemsize = key
-    ranked = tuning.ranked_blocks(model, buffers, rows, k, n, groups, generation, itemsize,
-                                  tuning.max_buffers(generation))
-    rule = (tuning.rule_blocks if kind == "forward" else tuning.rule_weight_grad_blocks)(
-        rows, k, n, groups, generation, itemsize)
+    buffers = tuning.BUFFERS[kind]
+    transpose_rhs = bool(call[3])
+    ranked = tuning.ranked_blocks(kind, rows, k, n, groups, generation, itemsize, tuning.max_buffers(generation),
+                                  transpose_rhs)
+    rule = (tuning.rule_blocks(rows, k, n, groups, generation, itemsize, transpose_rhs=transpose_rhs)
+            if kind == "forward" else tuning.rule_weight_grad_blocks(rows, k, n, groups, generation, itemsize))
     candidates = list(dict.fromkeys(ranked[:CANDIDATES] + [rule]))
     gen = GENERATIONS[generation]
     cache = schedule_cache(generation) if cache is None else cache
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
             jnp.asarray(bench.routing(shape, tokens)))
-    record = dict(model=shape.model, tokens=tokens, kind=kind, key=list(key), generation=generation, candidates=[])
+    record = dict(model=shape.model, tokens=tokens, kind=kind, key=list(key), transpose_rhs=transpose_rhs,
+                  generation=generation, candidates=[])
     rated = []
     for blocks in candidates:
         table[generation][key] = blocks
@@ -175,7 +330,9 @@ def tune_call(shape, tokens, call, generation, cache=None):
             del table[generation][key]
         formula_us = bench.modeled_seconds(cost, generation, cost.grid[0], copies)["modeled_us"]
         limit = tuning.vmem_limit(buffers(blocks, itemsize), generation)
-        candidate = dict(blocks=list(blocks.__dict__.values()), formula_us=formula_us)
+        candidate = dict(blocks=list(blocks.__dict__.values()), formula_us=formula_us,
+                         rule_model_us=tuning.modeled_seconds(kind, rows, k, n, groups, blocks, generation, itemsize,
+                                                              transpose_rhs) * 1e6)
         if schedule is None or vmem_used > limit:
             candidate["rejected"] = "does not compile" if schedule is None else f"VMEM {vmem_used} > limit {limit}"
         else:
@@ -215,6 +372,13 @@ def records(generation: str) -> list[dict]:
     return json.loads(file.read_text()) if file.exists() else []
 
 
+def rated_by_this_model(record: dict) -> bool:
+    """Whether a record's candidates were shortlisted by the rule's current
+    model (they carry its figures). Older records are tuned again, and
+    stay in the table until then; a matmul too big for the chip stays so."""
+    return "too_big_for_hbm" in record or any("rule_model_us" in c for c in record.get("candidates", []))
+
+
 def too_big_for_hbm(generation: str) -> set[tuple]:
     """(kind, key) of the matmuls whose operands overflow one chip's HBM
     (DeepSeek-V3's 15 GB of gate_up weights on a 16 GB v5e): no entry, a
@@ -223,7 +387,7 @@ def too_big_for_hbm(generation: str) -> set[tuple]:
 
 
 def write_table(path: Path = TABLE) -> None:
-    """Regenerates tuned_blocks.py from every tuning_<generation>.json."""
+    """Regenerates tuned_blocks.py from every tuning_<generation>.json and step_cycles_<generation>.json."""
     tables = {"forward": {g: {} for g in GENERATIONS}, "weight_grad": {g: {} for g in GENERATIONS}}
     for generation in GENERATIONS:
         for r in records(generation):
@@ -235,14 +399,27 @@ def write_table(path: Path = TABLE) -> None:
         "",
         "Key: (rows, K, N, groups, itemsize) for the grouped matmul, (rows, P, Q, groups,",
         "itemsize) for the weights' gradient. Each entry is the block choice with the lowest",
-        "MODELED time among the cost model's best, as the bench's model rates it (recorded in",
+        "MODELED time among the block rule model's best, as the bench's model rates it (recorded in",
         "bench/results/tuning_<generation>.json), and was compiled by libtpu for its generation",
         "(VMEM used / limit in the comment).",
+        "",
+        "STEP_CYCLES: per generation, kernel, itemsize and weight layout, the `tuning.StepCycles` fitted to the",
+        "compiled schedules of bench/tune.py's `fit_sample` (bench/results/step_cycles_<generation>.json).",
         '"""',
         "",
         "from .kernel import BlockSizes as B",
         "",
+        "STEP_CYCLES = {",
     ]
+    for generation in GENERATIONS:
+        if fit_file(generation).exists():
+            lines.append(f"    {generation!r}: {{")
+            for key, fields in load_fit(generation).items():
+                lines.append(f"        {key!r}: dict(")
+                lines += [f"            {field}={value!r}," for field, value in fields.items()]
+                lines.append("        ),")
+            lines.append("    },")
+    lines += ["}", ""]
     for kind, name in (("forward", "TUNED"), ("weight_grad", "TUNED_WEIGHT_GRAD")):
         lines.append(f"{name} = {{")
         for generation, entries in tables[kind].items():
@@ -261,13 +438,23 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=[s.model for s in bench.MOE_SHAPES])
     parser.add_argument("--generations", nargs="*", default=list(GENERATIONS), choices=list(GENERATIONS))
     parser.add_argument("--tokens", nargs="*", type=int, default=DECODE_TOKENS + PREFILL_TOKENS)
+    parser.add_argument("--fit", action="store_true", help="fit the step cycles again (done anyway where missing)")
+    parser.add_argument("--fit-only", action="store_true", help="fit, then stop")
     args = parser.parse_args(argv)
     shapes = [s for s in bench.MOE_SHAPES if s.model in args.models]
     start = time.perf_counter()
     for generation in args.generations:
+        if args.fit or args.fit_only or not fit_file(generation).exists():
+            record = fit(generation)
+            write_table()
+            print(f"{generation}: step cycles fitted to {record['tilings']} tilings, "
+                  f"error mean {record['mean_abs_error']:.1%} max {record['max_abs_error']:.1%} "
+                  f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        if args.fit_only:
+            continue
         file = RESULTS / f"tuning_{generation}.json"
         done_records = records(generation)
-        done = {(r["kind"], tuple(r["key"])) for r in done_records}
+        done = {(r["kind"], tuple(r["key"])) for r in done_records if rated_by_this_model(r)}
         for shape in shapes:
             for tokens in args.tokens:
                 training = tokens >= PREFILL_TOKENS[0]  # training steps run prefill-sized batches
@@ -277,7 +464,7 @@ def main(argv=None) -> int:
                         continue
                     record = tune_call(shape, tokens, call, generation)
                     done.add(key)
-                    done_records.append(record)
+                    done_records = [r for r in done_records if (r["kind"], tuple(r["key"])) != key] + [record]
                     file.write_text(json.dumps(done_records, indent=1))
                     write_table()
                     outcome = (f"{record['blocks']} {record['modeled_us']:.1f} us (rule {record['rule_modeled_us']})"

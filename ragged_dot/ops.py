@@ -36,7 +36,7 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret):
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
     itemsize = jnp.dtype(lhs.dtype).itemsize
-    blocks = choose_blocks(m, k, n, num_groups, generation, itemsize)
+    blocks = choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs)
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
     out = grouped_matmul(

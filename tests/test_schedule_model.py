@@ -1,6 +1,8 @@
 """The schedule model: libtpu's bundles read (kernels/tpu_schedule.py), the
 pipeline sum (bench/pipeline.py), and the two joined through the grid walk."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,30 @@ def test_pipeline_sum_matches_a_hand_count():
     assert pipeline.pipeline_seconds(compute, fetch, write, bytes_per_s=1.0, latency_s=0.0) == 2 + 5 + 10 + 2 + 7
     # A latency adds to each DMA that moves bytes, hidden where compute is longer.
     assert pipeline.pipeline_seconds(compute, fetch, write, 1.0, latency_s=1.0) == 3 + 5 + 11 + 2 + 8
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_pipeline_repeats_equal_the_steps_run_back_to_back(steps):
+    """The block rule runs one outer tile's steps `repeats` times: the same
+    as the steps written out that many times (boundaries overlap too)."""
+    rng = np.random.default_rng(steps)
+    compute, fetch, write = rng.random(steps), rng.integers(0, 5, steps), rng.integers(0, 5, steps)
+    written_out = pipeline.pipeline_seconds(np.tile(compute, 4), np.tile(fetch, 4), np.tile(write, 4), 2.0, 0.5)
+    assert pipeline.pipeline_seconds(compute, fetch, write, 2.0, 0.5, repeats=4) == pytest.approx(written_out)
+
+
+def test_regions_match_the_kernels_conds_and_mosaics_own_count_as_running():
+    """Conds [k == 0 (folded: one k step), pass, store]; the schedule has
+    the pass, the store, and a region Mosaic added (no matmuls)."""
+    region = lambda matmuls: tpu_schedule.Region(0, 1, 10, matmuls)
+    schedule = types.SimpleNamespace(regions=[region(4), region(0), region(0)])
+    runs = np.array([[True, True, False], [True, False, True]])
+    cost = types.SimpleNamespace(when_known=[True] * 3, when_runs=runs, when_has_dot=[False, True, False],
+                                 when_on_grid_only=[True, False, False])
+    np.testing.assert_array_equal(pipeline.region_runs(cost, schedule), [[True, False, True], [False, True, True]])
+    # An added region holding matmuls is not Mosaic's bookkeeping: no match.
+    schedule.regions[2] = region(1)
+    assert pipeline.region_runs(cost, schedule) is None
 
 
 def test_megacore_splits_the_first_parallel_axis():

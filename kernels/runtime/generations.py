@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-MiB = 1 << 20
+import numpy as np
 
-# Fixed cost of one Pallas grid step (pipeline bookkeeping, DMA issue), the
-# figure our performance model uses for every generation.
-STEP_OVERHEAD_S = 0.35e-6
+MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,15 +50,37 @@ GENERATIONS: dict[str, Generation] = {
 DEFAULT_GENERATION = "v6e"
 
 
-def modeled_time(gen: Generation, flops: float, hbm_bytes: float, grid_steps: int, parallel_tiles: int) -> dict:
-    """The performance model (seconds): max(MXU time, HBM time) plus a fixed
-    cost per grid step. A "parallel" grid axis shorter than the device's core
-    count leaves cores idle (v5p megacore)."""
-    cores = min(gen.cores_per_device, parallel_tiles)
-    mxu = flops / (gen.bf16_flops * cores / gen.cores_per_device)
-    hbm = hbm_bytes / gen.hbm_bytes_per_s
-    steps = grid_steps / cores * STEP_OVERHEAD_S
-    return {"mxu": mxu, "hbm": hbm, "steps": steps, "total": max(mxu, hbm) + steps}
+# A DMA's cost beyond its bytes at full bandwidth (issue to completion).
+# Pallas's TPU guide puts the fixed cost of a grid step near 0.35 us; the
+# step's own bookkeeping cycles are in its compiled schedule, this is the rest.
+DMA_LATENCY_S = 0.3e-6
+
+
+def pipeline_seconds(compute_s, fetch_bytes, write_bytes, bytes_per_s: float, latency_s: float = DMA_LATENCY_S,
+                     repeats: int = 1) -> float:
+    """Pallas's double-buffered pipeline over one core's grid steps, in order:
+    while step i computes, step i+1's inputs arrive and step i-1's output
+    leaves, so time = fetch(0) + sum_i max(compute(i), dma(fetch(i+1) +
+    write(i-1))) + write(last). `repeats`: the steps run that many times back
+    to back (a grid's outer tiles), each boundary overlapping like any other."""
+    compute_s = np.asarray(compute_s, np.float64)
+    if compute_s.size == 0:
+        return 0.0
+    fetch, write = np.asarray(fetch_bytes, np.float64), np.asarray(write_bytes, np.float64)
+    if compute_s.size == 1 and repeats > 1:  # every step is both the first and the last of its repeat
+        compute_s, fetch, write = (np.tile(x, repeats) for x in (compute_s, fetch, write))
+        repeats = 1
+    dma = lambda b: np.where(b > 0, b / bytes_per_s + latency_s, 0.0)
+    overlapped = np.zeros_like(compute_s)
+    overlapped[:-1] += fetch[1:]
+    overlapped[1:] += write[:-1]
+    steps = np.maximum(compute_s, dma(overlapped))
+    total = repeats * steps.sum()
+    if repeats > 1:  # later repeats' first steps overlap the previous write; earlier ones' last steps the next fetch
+        first = np.maximum(compute_s[0], dma(overlapped[0] + write[-1]))
+        last = np.maximum(compute_s[-1], dma(overlapped[-1] + fetch[0]))
+        total += (repeats - 1) * (first - steps[0] + last - steps[-1])
+    return float(dma(fetch[:1])[0] + total + dma(write[-1:])[0])
 
 
 def generation_of_device_kind(device_kind: str) -> Generation:
