@@ -115,6 +115,17 @@ def call_fn(call, groups, generation, dtype=jnp.bfloat16):
     return fn, tuning.TUNED_WEIGHT_GRAD, (*a_shape, b_shape[1], groups, itemsize)
 
 
+@contextlib.contextmanager
+def table_entry(table, generation: str, key, blocks):
+    """The tuning table holds `blocks` for `key` while the block runs: what the
+    kernels look up when traced inside it."""
+    table[generation][key] = blocks
+    try:
+        yield
+    finally:
+        del table[generation][key]
+
+
 def fresh(fn):
     """A new function object: jax caches traces by function identity, and
     each candidate changes what the same call traces to."""
@@ -197,11 +208,8 @@ def sample_schedules(generation: str, cache: dict) -> list:
         fn, table, key = call_fn(call, FIT_GROUPS, generation, dtype)
         args = (jax.ShapeDtypeStruct(call[1], dtype), jax.ShapeDtypeStruct(call[2], dtype),
                 jax.ShapeDtypeStruct((FIT_GROUPS,), jnp.int32))
-        table[generation][key] = blocks
-        try:
+        with table_entry(table, generation, key, blocks):
             schedule, _ = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
-        finally:
-            del table[generation][key]
         if schedule is not None:
             points.append((call[0], blocks, (jnp.dtype(dtype).itemsize, bool(call[3])), (call[1][1], call[2][1]), schedule))
     return points
@@ -324,17 +332,15 @@ def tune_call(shape, tokens, call, generation, cache=None):
                   generation=generation, candidates=[])
     rated = []
     for blocks in candidates:
-        table[generation][key] = blocks
         try:
-            (cost,), copies = grid_walk.kernel_costs_and_copies(fresh(fn), args, gen.mxu_width)
-            schedule, vmem_used = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
+            with table_entry(table, generation, key, blocks):
+                (cost,), copies = grid_walk.kernel_costs_and_copies(fresh(fn), args, gen.mxu_width)
+                schedule, vmem_used = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
         except Exception as err:  # noqa: BLE001
             if HBM_OOM in str(err):
                 record.update(too_big_for_hbm=str(err).splitlines()[0][:200])
                 return record
             raise
-        finally:
-            del table[generation][key]
         formula_us = bench.modeled_seconds(cost, generation, cost.grid[0], copies)["modeled_us"]
         limit = tuning.vmem_limit(buffers(blocks, itemsize), generation)
         candidate = dict(blocks=list(blocks.__dict__.values()), formula_us=formula_us,
@@ -350,9 +356,10 @@ def tune_call(shape, tokens, call, generation, cache=None):
         record["candidates"].append(candidate)
     rule_us = next((c.get("modeled_us") for c in record["candidates"] if c["blocks"] == list(rule.__dict__.values())), None)
     for us, need, blocks in sorted(rated, key=lambda w: (w[0], w[1])):
-        table[generation][key] = blocks
         try:  # at the entry's own shapes: proves it fits this entry's HBM and VMEM
-            report = tpu_compile.compile_for(fresh(fn), [(x.shape, x.dtype) for x in args], generation, "ragged_dot_tpu")
+            with table_entry(table, generation, key, blocks):
+                report = tpu_compile.compile_for(fresh(fn), [(x.shape, x.dtype) for x in args], generation,
+                                                 "ragged_dot_tpu")
         except Exception as err:  # noqa: BLE001
             error = str(err).splitlines()[0][:200]
             if HBM_OOM in error:
@@ -360,8 +367,6 @@ def tune_call(shape, tokens, call, generation, cache=None):
                 return record
             record.setdefault("rejected", []).append(dict(blocks=list(blocks.__dict__.values()), error=error))
             continue
-        finally:
-            del table[generation][key]
         (kernel_report,) = report.kernels.values()
         limit = tuning.vmem_limit(need, generation)
         if kernel_report.vmem_bytes > limit:

@@ -33,14 +33,13 @@ from .tuned_blocks import STEP_CYCLES, TUNED, TUNED_WEIGHT_GRAD
 
 MIN_BLOCK_M = 16  # bf16 packs 16 rows per sublane tile
 MAX_BLOCK_M = 1024
-KINDS = ("forward", "weight_grad")
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCycles:
     """Issue cycles of one grid step of a kernel, read from libtpu's schedules
     of a sample of tilings by `make tune` (bench/tune.py) per generation,
-    kernel and itemsize. The MXU pass is a table, interpolated; the rest are
+    kernel, itemsize and weight layout. The MXU pass is a table, interpolated; the rest are
     least-squares lines, coefficients of (1, feature...) (`features`)."""
 
     # Each pass that runs: {rows per pass: ((weight tiles, cycles), ...)}.
@@ -83,7 +82,7 @@ def step_parts(kind: str, blocks: BlockSizes, k: int, n: int, generation: str, i
                transpose_rhs: bool) -> dict:
     """The cycles of each part of a step, for one tiling of a [*, k] x [k, n]
     problem. The forward's weight layout matters: weights stored [N, K]
-    (`transpose_rhs`) cost its MXU passes a third more cycles or more."""
+    (`transpose_rhs`) cost its MXU passes 40 to 70% more cycles than [K, N]."""
     fitted = STEP_CYCLES[generation][(kind, itemsize, transpose_rhs and kind == "forward")]
     c, f = StepCycles(**fitted), features(kind, blocks, k, n, generation)
     line = lambda coef, *xs: coef[0] + sum(a * x for a, x in zip(coef[1:], xs))
