@@ -107,7 +107,9 @@ SWEEP = 3  # tilings of megablox's own sweep walked and compiled per case, besid
 
 
 def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: int, gpt_oss_layout: bool):
-    """name -> (fn(a, b, group_sizes), vmem limit, tiling).
+    """(impls, at_tiling): impls maps a row name to (fn(a, b, group_sizes),
+    vmem limit, tiling); at_tiling maps each anchor family to the entry of
+    that anchor at a given tiling.
 
     Anchors, each under its own rules (megablox's API takes no VMEM limit,
     so its tilings must fit Mosaic's default scoped VMEM):
@@ -116,16 +118,15 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
       best within the default scoped VMEM; bench_one reports the fastest as
       "megablox best");
     - tokamax 0.0.12's Mosaic ragged_dot at the config it picks itself
-      (its tuned table, else 128^3). It runs megablox's kernel body inside
-      an in-kernel pipeline: its own compiled schedule is read, its grid is
-      walked as megablox's at the same tiles;
+      (its tuned table, else 128^3) and at megablox's best tiling. It runs
+      megablox's kernel body inside an in-kernel pipeline: its own compiled
+      schedule is read, its grid is walked as megablox's at the same tiles;
     - tpu-inference's gmm (fwd and dx; it has no weights' gradient) at the
-      tiling its own table or default rule picks, with the weights in its
-      layout [G, K, N] (an engine stores them so once, at load).
+      tiling its own table or default rule picks and at megablox's best
+      tiling, with the weights in its layout [G, K, N] (an engine stores
+      them so once, at load).
     An entry is (fn, vmem limit, tiling) or, for an anchor taking the
     weights in another layout, (fn, vmem limit, tiling, weights' shape).
-    Also returns megablox's kernel as a function of its tiling (what the
-    megablox and tokamax rows are walked with).
     """
     from ragged_dot import ops, tuning
 
@@ -151,25 +152,27 @@ def implementations(pass_name: str, generation: str, a_shape, b_shape, groups: i
         ranked = tuning.ranked_blocks("forward", rows, a_shape[1], out_n, groups, generation, 2, scoped, transpose)
     tiles = lambda b: (b.block_m, b.block_k, b.block_n)
     tiling = tiles(blocks)
+    at_tiling = {"megablox": lambda t: (anchor(t), scoped, t)}
     impls = {
         "ours": (ours, limit, tiling),
-        "megablox 128^3": (anchor((128, 128, 128)), scoped, (128, 128, 128)),
-        "megablox ours' tiles": (anchor(tiling), scoped, tiling),
+        "megablox 128^3": at_tiling["megablox"]((128, 128, 128)),
+        "megablox ours' tiles": at_tiling["megablox"](tiling),
     }
     sweep = [t for t in dict.fromkeys(tiles(b) for b in ranked if not b.windows_at_group_start)
              if t not in ((128, 128, 128), tiling)][:SWEEP]
-    impls.update({f"megablox sweep {i}": (anchor(t), scoped, t) for i, t in enumerate(sweep)})
+    impls.update({f"megablox sweep {i}": at_tiling["megablox"](t) for i, t in enumerate(sweep)})
     if pass_name != "dw":
-        impls["tokamax"] = (_tokamax(transpose), scoped, _tokamax_tiling(a_shape, b_shape, transpose))
+        at_tiling["tokamax"] = lambda t: (_tokamax(transpose, t), scoped, t)
+        impls["tokamax"] = at_tiling["tokamax"](_tokamax_tiling(a_shape, b_shape, transpose))
         tpu_inference = _tpu_inference_gmm()
         if tpu_inference is not None:
             # Its weights are [G, K, N]: an engine stores them so once, at load time.
             groups_, rest = b_shape[0], b_shape[1:]
             k_n = rest[::-1] if transpose else rest
-            tiling = tpu_inference.tiling_for(rows, *k_n, groups_)
-            impls["tpu-inference"] = (lambda x, w, g: tpu_inference.gmm(x, w, g, jnp.bfloat16), scoped, tiling,
-                                      (groups_, *k_n))
-    return impls, anchor
+            at_tiling["tpu-inference"] = lambda t: (
+                lambda x, w, g: tpu_inference.gmm(x, w, g, jnp.bfloat16, tiling=t), scoped, t, (groups_, *k_n))
+            impls["tpu-inference"] = at_tiling["tpu-inference"](tpu_inference.tiling_for(rows, *k_n, groups_))
+    return impls, at_tiling
 
 
 @functools.cache
@@ -225,13 +228,18 @@ def _tokamax_tiling(a_shape, b_shape, transpose_rhs: bool):
     return config.tile_m, config.tile_k, config.tile_n
 
 
-def _tokamax(transpose_rhs: bool):
+def _tokamax(transpose_rhs: bool, tiling):
+    """tokamax's Mosaic ragged_dot at the given tiles."""
     numbers = _tokamax_numbers(transpose_rhs)
 
     def call(x, w, g):
         import tokamax  # requirements-bench.txt; only needed to compile it
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu
 
-        return tokamax.ragged_dot_general(x, w, g, numbers, implementation="mosaic")
+        tile_m, tile_k, tile_n = tiling
+        config = pallas_mosaic_tpu.Config(tile_m=tile_m, tile_k=tile_k, tile_n=tile_n)
+        op = pallas_mosaic_tpu.PallasMosaicTpuRaggedDot(config=config)
+        return tokamax.ragged_dot_general(x, w, g, numbers, implementation=op)
 
     return call
 
@@ -296,12 +304,10 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
     active = int((sizes > 0).sum())
     out_elems = shape.experts * k * n if pass_name == "dw" else rows * (k if pass_name == "dx" else n)
     in_elems = rows * (k + n) if pass_name == "dw" else rows * a_shape[1] + active * k * n
-    results = []
-    impls, megablox_at = implementations(pass_name, generation, a_shape, b_shape, shape.experts, shape.gpt_oss_layout)
+    impls, at_tiling = implementations(pass_name, generation, a_shape, b_shape, shape.experts, shape.gpt_oss_layout)
     walks = {}  # megablox's walk per tiling: tokamax's is the same grid
-    for impl, (fn, vmem_limit, tiling, *rhs_shape) in impls.items():
-        if impl.split(" sweep")[0] not in only and not (impl.startswith("megablox") and "megablox best" in only):
-            continue
+
+    def measure(impl, fn, vmem_limit, tiling, *rhs_shape) -> dict:
         impl_args = (args[0], jax.ShapeDtypeStruct(rhs_shape[0], jnp.bfloat16), args[2]) if rhs_shape else args
         row = dict(model=shape.model, phase=phase, tokens=tokens, matmul=name, pass_=pass_name,
                    generation=generation, impl=impl, tiling="x".join(map(str, tiling)), rows=rows, K=k, N=n,
@@ -309,13 +315,14 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
                    min_bytes=2 * (in_elems + out_elems), min_flops=2 * rows * k * n)
         cost = report = None
         try:
-            if impl in ("ours", "tpu-inference"):
+            if family(impl) in ("ours", "tpu-inference"):
                 (cost,), copies = grid_walk.kernel_costs_and_copies(fn, impl_args, gen.mxu_width)
             else:  # megablox's kernel (tokamax's too: see implementations), walked once per tiling
                 if tiling not in walks:
-                    walks[tiling] = grid_walk.kernel_costs_and_copies(megablox_at(tiling), args, gen.mxu_width)
+                    walks[tiling] = grid_walk.kernel_costs_and_copies(at_tiling["megablox"](tiling)[0], args,
+                                                                      gen.mxu_width)
                 (cost,), copies = walks[tiling]
-                cost = as_tokamax(cost) if impl == "tokamax" else cost
+                cost = as_tokamax(cost) if family(impl) == "tokamax" else cost
             formula = modeled_seconds(cost, generation, cost.grid[0], copies)
             row.update(hbm_bytes=cost.hbm_bytes + copies, mxu_flops=cost.mxu_flops, grid=list(cost.grid),
                        grid_steps=cost.grid_steps, formula_us=formula.pop("modeled_us"), **formula)
@@ -333,8 +340,30 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
                 row.update(schedule_model([cost], report))
             except Exception as err:  # noqa: BLE001
                 row.update(error=f"schedule: {str(err).splitlines()[0][:160]}")
-        results.append(row)
+        return row
+
+    wanted = lambda impl: family(impl) == "megablox" and "megablox best" in only or impl.split(" sweep")[0] in only
+    results = [measure(impl, *entry) for impl, entry in impls.items() if wanted(impl)]
+    # tokamax and tpu-inference run megablox's kernel body (or a fork of it): each also gets the
+    # tiling megablox's sweep found best.
+    megablox_best = fastest(r for r in results if family(r["impl"]) == "megablox")
+    for anchor in ("tokamax", "tpu-inference"):
+        own = [r for r in results if r["impl"] == anchor]
+        if own and megablox_best is not None and megablox_best["tiling"] != own[0]["tiling"]:
+            tiling = tuple(map(int, megablox_best["tiling"].split("x")))
+            results.append(measure(f"{anchor} sweep 0", *at_tiling[anchor](tiling)))
     return best_of_sweep(results, only)
+
+
+def family(impl: str) -> str:
+    """The kernel a row runs: ours, megablox, tokamax or tpu-inference."""
+    return impl.split(" ")[0]
+
+
+def fastest(rows) -> dict | None:
+    """The row with the lowest modeled time among those that compile."""
+    ok = [r for r in rows if r.get("compiles") is not False and "modeled_us" in r]
+    return min(ok, key=lambda r: r["modeled_us"]) if ok else None
 
 
 def as_tokamax(cost):
@@ -345,18 +374,21 @@ def as_tokamax(cost):
 
 
 def best_of_sweep(rows: list[dict], only) -> list[dict]:
-    """Replaces megablox's sweep rows by one "megablox best" row: the fastest
-    megablox row that compiles (128^3 and ours' tiles count too), with every
-    tiling tried and its modeled time."""
-    megablox = [r for r in rows if r["impl"].startswith("megablox")]
-    kept = [r for r in rows if " sweep " not in r["impl"] and r["impl"].split(" sweep")[0] in only]
-    if "megablox best" not in only or not megablox:
-        return kept
-    ok = [r for r in megablox if r.get("compiles") is not False and "modeled_us" in r]
-    best = dict(min(ok, key=lambda r: r["modeled_us"])) if ok else dict(megablox[0], error="no tiling compiles")
-    best["impl"] = "megablox best"
-    best["candidates"] = {r["tiling"]: round(r["modeled_us"], 2) if r in ok else None for r in megablox}
-    return kept + [best]
+    """Replaces each anchor's sweep rows by one row: "megablox best", the
+    fastest megablox row that compiles (128^3 and ours' tiles count too);
+    "tokamax" and "tpu-inference", the faster of their own pick and
+    megablox's best tiling. Each keeps every tiling tried and its modeled
+    time (`candidates`) and the anchor's own pick (`own_tiling`)."""
+    kept = [r for r in rows if " sweep " not in r["impl"] and r["impl"] in only]
+    for anchor, label in (("megablox", "megablox best"), ("tokamax", "tokamax"), ("tpu-inference", "tpu-inference")):
+        tried = [r for r in rows if family(r["impl"]) == anchor]
+        if label not in only or not tried:
+            continue
+        best = dict(fastest(tried) or dict(tried[0], error="no tiling compiles"))
+        best.update(impl=label, own_tiling=tried[0]["tiling"],
+                    candidates={r["tiling"]: round(r["modeled_us"], 2) if fastest([r]) else None for r in tried})
+        kept = [r for r in kept if r["impl"] != label] + [best]
+    return kept
 
 
 def case_of(r: dict) -> tuple:
@@ -414,13 +446,14 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "cross-check. Routing: uniform random top-k (seed 0).",
         "",
         "Anchors, each under its own rules: megablox `gmm`/`tgmm` at 128^3, at our tiles, and the best",
-        "of a sweep (`megablox best`: 128^3, ours' and the formula's best 3 tilings within Mosaic's",
-        "default scoped VMEM, which megablox's API cannot raise); tokamax 0.0.12's Mosaic ragged_dot at",
-        "the config it picks (its tuned table, else 128^3; it runs on one core of a v5p megacore; its",
-        "schedule's regions do not map to its body, so its rows count every region as running: an upper",
-        "bound); tpu-inference 0.32.0's gmm (fwd and dx) at the tiling its own table picks, with the",
-        "weights in its layout. An anchor libtpu refuses is no competitor; a row with no compiling anchor",
-        "is n/a.",
+        "of a sweep (`megablox best`: 128^3, ours' and the 3 tilings our block rule's model rates best",
+        "within Mosaic's default scoped VMEM, which megablox's API cannot raise); tokamax 0.0.12's Mosaic",
+        "ragged_dot, the faster of the config it picks (its tuned table, else 128^3) and megablox's best",
+        "tiling (it runs on one core of a v5p megacore; its schedule's regions do not map to its body, so",
+        "its rows count every region as running: an upper bound); tpu-inference 0.32.0's gmm (fwd and",
+        "dx), the faster of the tiling its own table picks and megablox's best, with the weights in its",
+        "layout. `candidates` in the JSON lists each tiling tried. An anchor libtpu refuses is no",
+        "competitor; a row with no compiling anchor is n/a.",
         "",
         "Passes: fwd y = x w^T; dx = dy w (activations' gradient); dw = dy^T x per group (weights').",
         "`min MiB`: each input and output once, inactive experts' weights never; `roofline` = our modeled",

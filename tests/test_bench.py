@@ -124,3 +124,22 @@ def test_bench_writes_modeled_table_and_chart(tmp_path):
         assert r["regions_mapped"] and r["modeled_us"] == pytest.approx(r["kernel_us"] + r["around_us"])
         assert r["kernel_us"] >= max(r["compute_us"], r["dma_us"])
     assert (tmp_path / "ragged_dot_v6e.png").stat().st_size > 10_000
+
+
+def test_each_anchor_keeps_its_fastest_compiling_tiling():
+    """megablox's best is its fastest tiling that libtpu compiles; tokamax and
+    tpu-inference keep the faster of their own pick and megablox's best."""
+    row = lambda impl, tiling, us, compiles=True: dict(impl=impl, tiling=tiling, modeled_us=us, compiles=compiles)
+    rows = [row("ours", "256x512x512", 40),
+            row("megablox 128^3", "128x128x128", 100),
+            row("megablox ours' tiles", "256x512x512", 30, compiles=False),
+            row("megablox sweep 0", "512x512x512", 80),
+            row("tokamax", "128x128x128", 120), row("tokamax sweep 0", "512x512x512", 85),
+            row("tpu-inference", "128x512x512", 70), row("tpu-inference sweep 0", "512x512x512", 75)]
+    kept = {r["impl"]: r for r in bench.best_of_sweep(rows, bench.IMPLS)}
+    assert set(kept) == set(bench.IMPLS)
+    assert (kept["megablox best"]["tiling"], kept["megablox best"]["modeled_us"]) == ("512x512x512", 80)
+    assert kept["megablox best"]["candidates"]["256x512x512"] is None  # refused by libtpu
+    assert (kept["tokamax"]["tiling"], kept["tokamax"]["own_tiling"]) == ("512x512x512", "128x128x128")
+    assert (kept["tpu-inference"]["tiling"], kept["tpu-inference"]["modeled_us"]) == ("128x512x512", 70)
+    assert kept["megablox 128^3"]["modeled_us"] == 100  # the fixed tilings stay as they are
