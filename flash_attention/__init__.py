@@ -1,0 +1,1 @@
+"""flash-attn-tpu (in progress)."""

@@ -1,0 +1,233 @@
+"""The JAX functions behind the torch ops; JAX users can call them directly.
+
+`flash_attention_varlen` attends over sequences packed back to back
+(`cu_seqlens`, the flash-attn convention); `flash_attention` over a dense
+batch. Both are differentiable in q, k, v and the sinks (`jax.custom_vjp`):
+the backward is two more Pallas kernels, one for dq and one for dk and dv,
+each with an axis of independent blocks besides the heads, so a v5p
+megacore splits either over its two cores.
+
+Semantics (flash-attn 2's): a sequence's queries are its last positions
+(causal masks are aligned to the bottom right when it has fewer queries than
+keys); `window_size=(left, right)` lets the query at position p see keys
+p - left .. p + right (-1: unbounded); `softcap` c maps a scaled score s to
+c * tanh(s / c); a sink (one logit per query head) adds exp(sink) to the
+softmax's denominator only. A query that sees no key gets zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ._shared.generations import current_generation
+from ._shared.tuning import round_up
+from .kernel import BlockSizes, Options, backward, forward
+from .tuning import choose_blocks
+
+NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
+
+
+def default_interpret():
+    """Pallas runs compiled on a TPU and in interpret mode anywhere else."""
+    return jax.devices()[0].platform != "tpu"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Schedule:
+    """Which blocks meet, per query block and per key block (see kernel.py)."""
+    kv_start: jax.Array  # [nQ] first key block a query block sees
+    kv_count: jax.Array  # [nQ] how many key blocks it sees (0: none)
+    lo_max: jax.Array  # [nQ] the largest row_lo of its rows
+    hi_min: jax.Array  # [nQ] the smallest row_hi of its rows
+    q_start: jax.Array  # [nK] first query block that sees a key block
+    q_count: jax.Array  # [nK] how many query blocks see it
+    kv_steps: jax.Array  # () max(kv_count, 1): the forward's and dq's key axis
+    q_steps: jax.Array  # () max(q_count, 1): dkv's query axis
+
+
+def token_ranges(cu_seqlens_q, cu_seqlens_k, num_q: int, causal: bool, left: int, right: int):
+    """[num_q] int32 (lo, hi): the packed key positions each query token sees.
+
+    A token past cu_seqlens_q[-1] (padding) sees nothing: lo > hi.
+    """
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    t = jnp.arange(num_q, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_seqlens_q, t, side="right").astype(jnp.int32) - 1, 0, num_seqs - 1)
+    q_first, q_end = cu_seqlens_q[seq], cu_seqlens_q[seq + 1]
+    k_first, k_end = cu_seqlens_k[seq], cu_seqlens_k[seq + 1]
+    # The key position on the query's diagonal, bottom-right aligned.
+    diagonal = k_first + (t - q_first) + ((k_end - k_first) - (q_end - q_first))
+    lo, hi = k_first, k_end - 1
+    if left >= 0:
+        lo = jnp.maximum(lo, diagonal - left)
+    if causal:
+        hi = jnp.minimum(hi, diagonal)
+    if right >= 0:
+        hi = jnp.minimum(hi, diagonal + right)
+    valid = t < cu_seqlens_q[-1]
+    return jnp.where(valid, lo, NO_KEY), jnp.where(valid, hi, -1)
+
+
+def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int) -> Schedule:
+    """The block runs of `kernel.py` from the tokens' key ranges (on device)."""
+    lo_blocks, hi_blocks = lo.reshape(-1, block_q), hi.reshape(-1, block_q)
+    sees = lo_blocks <= hi_blocks
+    first = jnp.min(jnp.where(sees, lo_blocks, NO_KEY), axis=1)
+    last = jnp.max(jnp.where(sees, hi_blocks, -1), axis=1)
+    any_row = jnp.any(sees, axis=1)
+    kv_start = jnp.where(any_row, first // block_k, 0).astype(jnp.int32)
+    kv_count = jnp.where(any_row, last // block_k - first // block_k + 1, 0).astype(jnp.int32)
+    # Key block j is seen by query block i iff it lies in i's run; the runs only move forward.
+    j = jnp.arange(num_k // block_k, dtype=jnp.int32)[:, None]
+    meets = (kv_start[None, :] <= j) & (j < kv_start[None, :] + kv_count[None, :])
+    i = jnp.arange(lo_blocks.shape[0], dtype=jnp.int32)[None, :]
+    q_first = jnp.min(jnp.where(meets, i, NO_KEY), axis=1)
+    q_last = jnp.max(jnp.where(meets, i, -1), axis=1)
+    seen = jnp.any(meets, axis=1)
+    q_start = jnp.where(seen, q_first, 0).astype(jnp.int32)
+    q_count = jnp.where(seen, q_last - q_first + 1, 0).astype(jnp.int32)
+    return Schedule(kv_start, kv_count, jnp.max(lo_blocks, axis=1).astype(jnp.int32),
+                    jnp.min(hi_blocks, axis=1).astype(jnp.int32), q_start, q_count,
+                    jnp.maximum(jnp.max(kv_count), 1), jnp.maximum(jnp.max(q_count), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    opts: Options
+    blocks: BlockSizes
+    causal: bool
+    left: int
+    right: int
+    vmem_limit: int | None
+    interpret: object
+
+
+def _rows(x, groups: int, num: int):
+    """[T, Hq, D] -> [Hkv, num * G, D]: a KV head's query heads as rows, token-major, padded to num tokens."""
+    t, hq, d = x.shape
+    x = jnp.pad(x, ((0, num - t), (0, 0), (0, 0))) if num != t else x
+    return x.reshape(num, hq // groups, groups, d).transpose(1, 0, 2, 3).reshape(hq // groups, num * groups, d)
+
+
+def _unrows(x, groups: int, t: int):
+    hkv, rows, d = x.shape
+    return x.reshape(hkv, rows // groups, groups, d).transpose(1, 0, 2, 3).reshape(-1, hkv * groups, d)[:t]
+
+
+def _heads_major(x, num: int):
+    """[T, Hkv, D] -> [Hkv, num, D], padded."""
+    x = jnp.pad(x, ((0, num - x.shape[0]), (0, 0), (0, 0))) if num != x.shape[0] else x
+    return x.transpose(1, 0, 2)
+
+
+def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
+    groups, bq, bk = st.opts.groups, st.blocks.block_q, st.blocks.block_k
+    num_q, num_k = round_up(q.shape[0], bq), round_up(k.shape[0], bk)
+    lo, hi = token_ranges(cu_seqlens_q, cu_seqlens_k, num_q, st.causal, st.left, st.right)
+    schedule = make_schedule(lo, hi, bq, bk, num_k)
+    row_lo = jnp.repeat(lo, groups)[:, None]
+    row_hi = jnp.repeat(hi, groups)[:, None]
+    return num_q, num_k, schedule, row_lo, row_hi
+
+
+def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
+    groups = st.opts.groups
+    num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
+    hkv = k.shape[1]
+    sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hkv * groups,), jnp.float32)
+    sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, st.blocks.block_q, 1)).reshape(hkv, -1, 1)
+    o, lse = forward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), row_lo, row_hi,
+                     sink_rows, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
+                     interpret=st.interpret)
+    return _unrows(o, groups, q.shape[0]), (o, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
+    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)[0]
+
+
+def _attention_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
+    out, (o_rows, lse) = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)
+    return out, (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, o_rows, lse)
+
+
+def _attention_bwd(st: _Static, residuals, grad_out):
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, o_rows, lse = residuals
+    groups = st.opts.groups
+    num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
+    do_rows = _rows(grad_out.astype(q.dtype), groups, num_q)
+    # D = rowsum(dO * O): the softmax backward's correction, in f32.
+    di = jnp.sum(do_rows.astype(jnp.float32) * o_rows.astype(jnp.float32), axis=2, keepdims=True)
+    dq, dk, dv = backward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows, lse, di,
+                          row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
+                          interpret=st.interpret)
+    dk = dk.transpose(1, 0, 2)[: k.shape[0]]
+    dv = dv.transpose(1, 0, 2)[: v.shape[0]]
+    dsinks = None
+    if sinks is not None:
+        # d sink_h = -sum over the head's rows of exp(sink_h - lse) * D (rows seeing nothing have p = 0).
+        hkv = k.shape[1]
+        p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(hkv, 1, groups) - lse.reshape(hkv, -1, groups))
+        dsinks = -jnp.sum(p_sink * di.reshape(hkv, -1, groups), axis=1).reshape(-1).astype(sinks.dtype)
+    return _unrows(dq, groups, q.shape[0]), dk, dv, dsinks, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: jax.Array | None = None,
+    blocks: BlockSizes | None = None,
+    generation: str | None = None,
+    interpret=None,
+) -> jax.Array:
+    """Attention over packed sequences.
+
+    q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] with Hq a multiple of
+    Hkv; cu_seqlens_q, cu_seqlens_k [S + 1] int32, starting at 0,
+    non-decreasing; tokens past cu_seqlens_q[-1] get zeros, keys past
+    cu_seqlens_k[-1] are never seen. sinks [Hq] or None. Returns
+    [Tq, Hq, Dv] in q's dtype.
+    """
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    generation = generation or current_generation().name
+    interpret = default_interpret() if interpret is None else interpret
+    groups = hq // hkv
+    blocks = blocks or choose_blocks(tq, tk, d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation)
+    left, right = window_size
+    st = _Static(Options(scale=float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)),
+                         softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
+                 blocks, bool(causal), int(left), int(right), None, interpret)
+    if tq == 0:
+        return jnp.zeros((0, hq, v.shape[2]), q.dtype)
+    return _attention(q, k, v, sinks, cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32), st)
+
+
+def flash_attention(q, k, v, **options) -> jax.Array:
+    """Attention over a dense batch: q [B, Sq, Hq, D], k [B, Sk, Hkv, D],
+    v [B, Sk, Hkv, Dv] -> [B, Sq, Hq, Dv]; options as `flash_attention_varlen`."""
+    b, sq = q.shape[:2]
+    sk = k.shape[1]
+    cu_q = jnp.arange(b + 1, dtype=jnp.int32) * sq
+    cu_k = jnp.arange(b + 1, dtype=jnp.int32) * sk
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
+    out = flash_attention_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, **options)
+    return out.reshape(b, sq, *out.shape[1:])
