@@ -11,7 +11,7 @@ import numpy as np
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False,
                      window_size=(-1, -1), softcap=0.0, sinks=None):
-    """Same contract as ops.flash_attention_varlen; cu_seqlens are host values."""
+    """Same contract as ops.flash_attention_varlen, but returns f32; cu_seqlens are host values."""
     cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -49,4 +49,4 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None,
         probs = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)[..., :len_k]
         o = jnp.einsum("hqk,khd->qhd", probs, vs, precision=jax.lax.Precision.HIGHEST)
         out = out.at[cu_q[s]:cu_q[s + 1]].set(o)
-    return out.astype(q.dtype)
+    return out

@@ -1,0 +1,167 @@
+"""flash_attention's kernels in Pallas interpret mode against the f32 reference:
+outputs and gradients (q, k, v, sinks), every masking feature, packed
+sequences of every shape transformers produces."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from jax.experimental.pallas import tpu as pltpu
+
+from flash_attention import ops, reference
+from flash_attention.kernel import BlockSizes
+
+# Small blocks, so a few hundred tokens span several query and key blocks.
+SMALL = BlockSizes(block_q=16, block_k=128)
+
+# (name, query lengths, key lengths, Hq, Hkv, D, Dv, options). Lengths cover:
+# an empty sequence; fewer queries than keys (generation: bottom-right
+# causal); more queries than keys (the first queries see no key); one query
+# per sequence (decode); sequences straddling blocks.
+CASES = [
+    ("causal_gqa", [37, 0, 100, 5], [37, 0, 130, 260], 4, 2, 64, 64, dict(causal=True)),
+    ("window_softcap_sinks_mqa", [37, 100], [37, 230], 4, 1, 64, 32,
+     dict(causal=True, window_size=(40, 40), softcap=5.0, sinks=True)),
+    ("noncausal_two_sided_window", [37, 100], [50, 230], 2, 2, 80, 80, dict(window_size=(30, 7))),
+    ("more_queries_than_keys", [60, 20], [20, 60], 2, 1, 96, 96, dict(causal=True, sinks=True)),
+    ("decode", [1, 1, 1], [200, 3, 129], 8, 2, 128, 128, dict(causal=True, softmax_scale=0.3)),
+    ("noncausal_deepseek_dims", [70], [150], 2, 2, 192, 128, dict()),
+]
+
+# fp32 inputs: every product and sum in f32 (HIGHEST), so only reassociation
+# separates the kernel from the reference: 2e-5 of the largest value.
+FP32_TOLERANCE = 2e-5
+
+
+def _inputs(case, dtype, seed=0, extra_q=3, extra_k=5):
+    _, lens_q, lens_k, hq, hkv, d, dv, options = case
+    rng = np.random.default_rng(seed)
+    # Tokens past the last sequence: padding the kernel must leave at zero (queries) or never see (keys).
+    tq, tk = sum(lens_q) + extra_q, sum(lens_k) + extra_k
+    q = jnp.asarray(rng.standard_normal((tq, hq, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((tk, hkv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((tk, hkv, dv)), dtype)
+    cu = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    options = dict(options)
+    if options.get("sinks"):
+        options["sinks"] = jnp.asarray(rng.standard_normal(hq), dtype)
+    return q, k, v, cu(lens_q), cu(lens_k), options
+
+
+def _max_error(a, b):
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_forward_and_gradients_match_the_reference_in_fp32(case):
+    q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
+    out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, **options)
+    expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.dtype == q.dtype
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert not np.any(np.asarray(out[int(cu_q[-1]):])), "padding queries must get zeros"
+
+    # Gradients of a random projection of the output, including the padding rows'.
+    weights = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), jnp.float32)
+    sinks = options.pop("sinks", None)
+    args = (q, k, v) + ((sinks,) if sinks is not None else ())
+
+    def loss(fn, q, k, v, sinks=None, **extra):
+        out = fn(q, k, v, cu_q, cu_k, sinks=sinks, **options, **extra)
+        return jnp.sum(out.astype(jnp.float32) * weights)
+
+    argnums = tuple(range(len(args)))
+    ours = jax.grad(lambda *a: loss(ops.flash_attention_varlen, *a, blocks=SMALL), argnums)(*args)
+    theirs = jax.grad(lambda *a: loss(reference.attention_varlen, *a), argnums)(*args)
+    for name, got, want in zip(("q", "k", "v", "sinks"), ours, theirs):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        scale = max(1.0, float(jnp.max(jnp.abs(want))))
+        assert _max_error(got, want) <= FP32_TOLERANCE * scale, name
+    # Keys past cu_seqlens_k[-1] are never seen: their gradients are exactly zero.
+    assert not np.any(np.asarray(ours[1][int(cu_k[-1]):])) and not np.any(np.asarray(ours[2][int(cu_k[-1]):]))
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: c[0])
+def test_bf16_forward_is_the_reference_rounded(case):
+    """bf16 inputs are exact; scores and statistics are f32; the probabilities
+    enter the PV matmul rounded to bf16 (2^-9 relative each), and the output
+    is rounded to bf16 (2^-9 relative): within 2^-8 of max |v| per element."""
+    q, k, v, cu_q, cu_k, options = _inputs(case, jnp.bfloat16)
+    out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, **options)
+    assert out.dtype == jnp.bfloat16
+    expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
+    assert _max_error(out, expected) <= 2**-8 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+
+
+def test_bf16_accumulators_are_f32():
+    """With q = 0 every probability is exactly 1/n in bf16 and f32 alike, so
+    the output is the mean of v. The first key block holds v = 8 and the
+    seven others v = 0.02: a bf16 accumulator (ulp 8 at 1024) would swamp
+    their contributions (mean 1.0 instead of 1.0175); f32 keeps them. The
+    same for dv across query blocks."""
+    tq, tk, block = 64, 1024, BlockSizes(block_q=16, block_k=128)
+    q = jnp.zeros((tq, 1, 128), jnp.bfloat16)
+    k = jnp.asarray(np.random.default_rng(0).standard_normal((tk, 1, 128)), jnp.bfloat16)
+    v = jnp.broadcast_to(jnp.where(jnp.arange(tk)[:, None, None] < 128, 8.0, 0.02), (tk, 1, 128)).astype(jnp.bfloat16)
+    cu_q, cu_k = jnp.asarray([0, tq], jnp.int32), jnp.asarray([0, tk], jnp.int32)
+    out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=block)
+    exact = (128 * 8.0 + 896 * float(jnp.bfloat16(0.02))) / tk
+    assert _max_error(out, jnp.full(out.shape, exact)) <= 2**-8 * exact  # one bf16 rounding
+
+    # dv_j = sum_i p_ij do_i = mean of do over the queries: the first query block's do is 8, the rest 0.02.
+    do = jnp.broadcast_to(jnp.where(jnp.arange(tq)[:, None, None] < 16, 8.0, 0.02), (tq, 1, 128)).astype(jnp.bfloat16)
+    _, pullback = jax.vjp(lambda v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=block), v)
+    (dv,) = pullback(do)
+    exact_dv = (16 * 8.0 + 48 * float(jnp.bfloat16(0.02))) / tk
+    assert _max_error(dv, jnp.full(dv.shape, exact_dv)) <= 2**-8 * exact_dv
+
+
+def test_dense_batch_is_the_packed_batch():
+    """flash_attention over [B, S, ...] is flash_attention_varlen over the same sequences packed."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((3, 20, 4, 64)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((3, 50, 2, 64)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((3, 50, 2, 64)), jnp.float32)
+    out = ops.flash_attention(q, k, v, causal=True, blocks=SMALL)
+    cu_q, cu_k = jnp.arange(4, dtype=jnp.int32) * 20, jnp.arange(4, dtype=jnp.int32) * 50
+    expected = reference.attention_varlen(q.reshape(60, 4, 64), k.reshape(150, 2, 64), v.reshape(150, 2, 64),
+                                          cu_q, cu_k, causal=True)
+    assert out.shape == (3, 20, 4, 64)
+    assert _max_error(out.reshape(60, 4, 64), expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+
+
+def test_schedule_skips_blocks_no_query_sees():
+    """Causal attention over one sequence of 8 key blocks: query block i sees
+    key blocks 0 .. i only, and key block j is seen by query blocks j .. 7:
+    36 of 64 block pairs, the causal triangle and no more."""
+    tokens, block = 1024, 128
+    cu = jnp.asarray([0, tokens], jnp.int32)
+    lo, hi = ops.token_ranges(cu, cu, tokens, causal=True, left=-1, right=-1)
+    schedule = ops.make_schedule(lo, hi, block, block, tokens)
+    np.testing.assert_array_equal(schedule.kv_start, 0)
+    np.testing.assert_array_equal(schedule.kv_count, np.arange(1, 9))
+    np.testing.assert_array_equal(schedule.q_start, np.arange(8))
+    np.testing.assert_array_equal(schedule.q_count, np.arange(8, 0, -1))
+    assert int(schedule.kv_count.sum()) == 36 and int(schedule.kv_steps) == 8
+    # A window of 128 keys: each query block sees its own key block and the one before.
+    lo, hi = ops.token_ranges(cu, cu, tokens, causal=True, left=127, right=-1)
+    schedule = ops.make_schedule(lo, hi, block, block, tokens)
+    np.testing.assert_array_equal(schedule.kv_count, [1] + [2] * 7)
+    assert int(schedule.kv_steps) == 2
+
+
+def test_kernels_pass_the_tpu_interpreter():
+    """The TPU interpreter (race detection, two cores, uninitialised memory as
+    NaN) over the forward and backward of a packed, windowed, GQA case."""
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
+    case = ("tpu_interpreter", [20, 40], [20, 100], 4, 2, 64, 64, dict(causal=True, window_size=(50, 50), sinks=True))
+    q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
+    fn = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, interpret=params, **options)
+    out, pullback = jax.vjp(fn, q, k, v)
+    grads = pullback(jnp.ones_like(out))
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert all(bool(jnp.isfinite(g).all()) for g in grads), "a kernel read uninitialised memory"
