@@ -1,1 +1,11 @@
-"""flash-attn-tpu (in progress)."""
+"""flash-attn-tpu: flash attention (forward and backward) as Pallas TPU
+kernels with flash-attn 2's entry points, callable from torch (CPU runs them
+in interpret mode) and loadable by transformers as an attention
+implementation.
+
+JAX users: `from <package>.ops import flash_attention, flash_attention_varlen`.
+"""
+
+from .torch_ops import flash_attn_func, flash_attn_varlen_func
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]

@@ -51,10 +51,12 @@ class Schedule:
     q_steps: jax.Array  # () max(q_count, 1): dkv's query axis
 
 
-def token_ranges(cu_seqlens_q, cu_seqlens_k, num_q: int, causal: bool, left: int, right: int):
+def token_ranges(cu_seqlens_q, cu_seqlens_k, num_q: int, num_k: int, causal: bool, left: int, right: int):
     """[num_q] int32 (lo, hi): the packed key positions each query token sees.
 
-    A token past cu_seqlens_q[-1] (padding) sees nothing: lo > hi.
+    A token past cu_seqlens_q[-1] (padding) sees nothing: lo > hi. Ranges
+    are clipped to the num_k keys, so no cu_seqlens value, however wrong,
+    makes a kernel read past the keys (`cu_seqlens_valid` reports it).
     """
     num_seqs = cu_seqlens_q.shape[0] - 1
     t = jnp.arange(num_q, dtype=jnp.int32)
@@ -71,7 +73,12 @@ def token_ranges(cu_seqlens_q, cu_seqlens_k, num_q: int, causal: bool, left: int
     if right >= 0:
         hi = jnp.minimum(hi, diagonal + right)
     valid = t < cu_seqlens_q[-1]
-    return jnp.where(valid, lo, NO_KEY), jnp.where(valid, hi, -1)
+    return jnp.where(valid, jnp.maximum(lo, 0), NO_KEY), jnp.where(valid, jnp.minimum(hi, num_k - 1), -1)
+
+
+def cu_seqlens_valid(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
+    """() bool, on the device: starts at 0, never decreases, ends within the tokens."""
+    return (cu_seqlens[0] == 0) & jnp.all(cu_seqlens[1:] >= cu_seqlens[:-1]) & (cu_seqlens[-1] <= num_tokens)
 
 
 def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int) -> Schedule:
@@ -129,7 +136,7 @@ def _heads_major(x, num: int):
 def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
     groups, bq, bk = st.opts.groups, st.blocks.block_q, st.blocks.block_k
     num_q, num_k = round_up(q.shape[0], bq), round_up(k.shape[0], bk)
-    lo, hi = token_ranges(cu_seqlens_q, cu_seqlens_k, num_q, st.causal, st.left, st.right)
+    lo, hi = token_ranges(cu_seqlens_q, cu_seqlens_k, num_q, k.shape[0], st.causal, st.left, st.right)
     schedule = make_schedule(lo, hi, bq, bk, num_k)
     row_lo = jnp.repeat(lo, groups)[:, None]
     row_hi = jnp.repeat(hi, groups)[:, None]
@@ -202,7 +209,8 @@ def flash_attention_varlen(
 
     q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] with Hq a multiple of
     Hkv; cu_seqlens_q, cu_seqlens_k [S + 1] int32, starting at 0,
-    non-decreasing; tokens past cu_seqlens_q[-1] get zeros, keys past
+    non-decreasing, ending at most at the token count (invalid ones make
+    the output NaN); tokens past cu_seqlens_q[-1] get zeros, keys past
     cu_seqlens_k[-1] are never seen. sinks [Hq] or None. Returns
     [Tq, Hq, Dv] in q's dtype.
     """
@@ -218,7 +226,11 @@ def flash_attention_varlen(
                  blocks, bool(causal), int(left), int(right), None, interpret)
     if tq == 0:
         return jnp.zeros((0, hq, v.shape[2]), q.dtype)
-    return _attention(q, k, v, sinks, cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32), st)
+    cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+    out = _attention(q, k, v, sinks, cu_q, cu_k, st)
+    # Invalid cu_seqlens cannot make a kernel read out of bounds (see token_ranges); they make the
+    # output NaN, a report that needs no device-to-host round trip.
+    return jnp.where(cu_seqlens_valid(cu_q, tq) & cu_seqlens_valid(cu_k, tk), out, jnp.nan)
 
 
 def flash_attention(q, k, v, **options) -> jax.Array:

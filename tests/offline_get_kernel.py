@@ -24,15 +24,22 @@ if "--torch-backends-tpu" in sys.argv:
 from kernels import get_kernel  # noqa: E402
 
 kernel = get_kernel(repo_id, version=version)
-lhs = torch.randn(37, 128, generator=torch.Generator().manual_seed(0))
-rhs = torch.randn(3, 128, 256, generator=torch.Generator().manual_seed(1))
-group_sizes = torch.tensor([10, 0, 20])
-out = kernel.ragged_dot(lhs, rhs, group_sizes)
-want = torch.cat([lhs[:10] @ rhs[0], lhs[10:30] @ rhs[2], torch.zeros(7, 256)])
+gen = lambda seed: torch.Generator().manual_seed(seed)
+if hasattr(kernel, "ragged_dot"):
+    lhs = torch.randn(37, 128, generator=gen(0))
+    rhs = torch.randn(3, 128, 256, generator=gen(1))
+    out = kernel.ragged_dot(lhs, rhs, torch.tensor([10, 0, 20]))
+    want = torch.cat([lhs[:10] @ rhs[0], lhs[10:30] @ rhs[2], torch.zeros(7, 256)])
+else:  # flash attention: one causal GQA batch against torch's own attention
+    q, k, v = (torch.randn(2, 40, heads, 64, generator=gen(seed)) for seed, heads in ((0, 4), (1, 2), (2, 2)))
+    out = kernel.flash_attn_func(q, k, v, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
 print(json.dumps({
     "file": kernel.__file__,
     "variant": os.path.basename(os.path.dirname(os.path.dirname(kernel.__file__))),
     "all": sorted(kernel.__all__),
-    "op_namespaces": sorted({op.split("::")[0] for op in torch._C._dispatch_get_all_op_names() if "ragged_dot_tpu" in op}),
+    "op_namespaces": sorted({op.split("::")[0] for op in torch._C._dispatch_get_all_op_names()
+                             if op.split("::")[0].startswith("_" + repo_id.split("/")[1].replace("-", "_"))}),
     "max_abs_error": (out - want).abs().max().item(),
 }))

@@ -25,13 +25,17 @@ def built(tmp_path_factory):
     return trees, cache, commits
 
 
-def test_tree_layout_and_metadata(built):
+KERNELS = list(build_collection.load_manifest()["kernels"])
+
+
+@pytest.mark.parametrize("key", KERNELS)
+def test_tree_layout_and_metadata(built, key):
     trees, _, _ = built
-    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
-    tree = trees["ragged_dot"]
+    kernel = build_collection.load_manifest()["kernels"][key]
+    tree = trees[key]
     hub_toml = tomllib.loads((tree / "build.toml").read_text())
     assert hub_toml["general"] == {
-        "name": "ragged-dot-tpu", "version": kernel["version"], "license": kernel["license"],
+        "name": kernel["repo"], "version": kernel["version"], "license": kernel["license"],
         "backends": ["tpu"], "hub": {"repo-id": kernel["repo-id"]},
     }
     assert "torch-noarch" in hub_toml
@@ -39,20 +43,21 @@ def test_tree_layout_and_metadata(built):
     assert kernel["repo-id"] in card and "{" + "repo_id}" not in card
     for variant in build_collection.VARIANTS:
         meta = json.loads((tree / "build" / variant / "metadata.json").read_text())
-        assert meta["name"] == "ragged-dot-tpu" and meta["python-depends"] == []
+        assert meta["name"] == kernel["repo"] and meta["python-depends"] == []
         assert meta["backend"] == {"type": "tpu"} and meta["version"] == kernel["version"]
-        package = tree / "build" / variant / "ragged_dot_tpu"
+        package = tree / "build" / variant / kernel["package"]
         assert (package / "_shared" / "bridge.py").is_file(), "shared runtime must be vendored"
         assert not (package / "_shared").is_symlink() and not (package / "CARD.md").exists()
         assert meta["id"] in (package / "_build.py").read_text()
         # Only relative imports inside a published kernel.
         for source in package.rglob("*.py"):
             for line in source.read_text().splitlines():
-                assert not line.lstrip().startswith(("from ragged_dot", "import ragged_dot")), (source, line)
+                assert not line.lstrip().startswith((f"from {kernel['folder']}", f"import {kernel['folder']}")), (
+                    source, line)
 
 
-def _load(cache, *flags):
-    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
+def _load(cache, key, *flags):
+    kernel = build_collection.load_manifest()["kernels"][key]
     result = subprocess.run(
         [sys.executable, str(TESTS / "offline_get_kernel.py"), str(cache), kernel["repo-id"],
          str(kernel["version"]), *flags],
@@ -63,24 +68,29 @@ def _load(cache, *flags):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("key", KERNELS)
 @pytest.mark.parametrize("flags,variant", [((), "torch-universal"), (("--torch-backends-tpu",), "torch-tpu")])
-def test_get_kernel_offline(built, flags, variant):
+def test_get_kernel_offline(built, key, flags, variant):
     _, cache, commits = built
-    loaded = _load(cache, *flags)
+    kernel = build_collection.load_manifest()["kernels"][key]
+    loaded = _load(cache, key, *flags)
     assert loaded["variant"] == variant
-    assert f"/snapshots/{next(iter(commits.values()))}/build/{variant}/" in loaded["file"]
-    assert loaded["all"] == ["experts_forward", "ragged_dot"]
-    assert len(loaded["op_namespaces"]) == 1 and loaded["op_namespaces"][0].startswith("_ragged_dot_tpu_")
-    assert loaded["max_abs_error"] < 1e-3  # fp32 sums of 128 products of N(0,1)
+    assert f"/snapshots/{commits[kernel['repo-id']]}/build/{variant}/" in loaded["file"]
+    assert loaded["all"] == sorted(kernel["entry-points"])
+    assert len(loaded["op_namespaces"]) == 1 and loaded["op_namespaces"][0].startswith(f"_{kernel['package']}_")
+    # fp32: sums of 128 products of N(0,1) (ragged_dot), softmax-weighted means of N(0,1) (attention).
+    assert loaded["max_abs_error"] < 1e-3
 
 
 def test_publish_dry_run(built, capsys, tmp_path):
     assert publish.main(["--dry-run", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     methods = [line.split()[0] for line in lines]
-    assert methods == ["create_repo", "upload_file", "create_branch", "upload_folder"]
+    assert methods == ["create_repo", "upload_file", "create_branch", "upload_folder"] * len(KERNELS)
     assert all("repo_type=kernel" in line for line in lines)
-    assert "revision=main" in lines[1] and "branch=v1" in lines[2] and "revision=v1" in lines[3]
+    for first in range(0, len(lines), 4):  # per kernel: card on main, then the v<version> branch
+        assert "revision=main" in lines[first + 1] and "branch=v1" in lines[first + 2]
+        assert "revision=v1" in lines[first + 3]
 
 
 def test_import_kernels_is_hugging_face_kernels():
