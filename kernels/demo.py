@@ -1,7 +1,8 @@
 """The main job (`make demo`): build every kernel, load each the way users do
 (`get_kernel(..., version=N)`, offline from a Hub cache made from build/),
-run it inside a tiny random-weight transformers model against the eager
-implementation, and compile it for each TPU generation with libtpu.
+run it inside tiny random-weight transformers models against transformers'
+eager implementation (experts, or attention), and compile it for each TPU
+generation with libtpu.
 
 Everything runs on this machine's CPU: the kernels run in Pallas interpret
 mode, and "compiles for" means libtpu's compilers accepted the kernel for
@@ -88,8 +89,78 @@ def compiles_for(kernel) -> list[str]:
     return ok
 
 
+def tiny_attention_models():
+    """Tiny random configs: GQA (Llama), and softcap with a sliding window (Gemma 2)."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+                  tie_word_embeddings=False)
+    return {
+        "Llama": lambda: LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        "Gemma 2": lambda: Gemma2Config(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        sliding_window=8, attn_logit_softcapping=5.0),
+    }
+
+
+def check_attention_in_models(kernel, repo_id: str) -> list[dict]:
+    """attn_implementation=<our repo> (transformers loads it with get_kernel)
+    against transformers' eager attention, on a left-padded batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    for family, config in tiny_attention_models().items():
+        models = {}
+        for impl in (repo_id, "eager"):
+            torch.manual_seed(0)
+            models[impl] = AutoModelForCausalLM.from_config(config(), dtype=torch.float32,
+                                                            attn_implementation=impl).eval()
+        ids = torch.randint(2, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        with torch.no_grad():
+            logits = {impl: m(ids, attention_mask=mask).logits for impl, m in models.items()}
+            tokens = {impl: m.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+                      for impl, m in models.items()}
+        rows.append({
+            "model": f"tiny {family} (fp32)",
+            "max_logit_diff": (logits[repo_id] - logits["eager"])[mask.bool()].abs().max().item(),
+            "tokens_identical": torch.equal(tokens[repo_id], tokens["eager"]),
+        })
+    return rows
+
+
+def attention_compiles_for(kernel) -> list[str]:
+    """Generations whose libtpu compiler accepts the loaded kernel's forward
+    and backward at Llama-3-8B's attention shapes (32 query heads, 8 KV
+    heads, head_dim 128), 2048 causal tokens."""
+    import jax
+    import jax.numpy as jnp
+    from runtime.generations import GENERATIONS
+
+    ops = sys.modules[kernel.__name__ + ".ops"]
+    tokens = 2048
+    specs = [((tokens, 32, 128), jnp.bfloat16), ((tokens, 8, 128), jnp.bfloat16), ((tokens, 8, 128), jnp.bfloat16),
+             ((2,), jnp.int32)]
+    ok = []
+    for generation in GENERATIONS:
+        def forward_backward(q, k, v, cu, generation=generation):
+            attend = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu, cu, causal=True, generation=generation,
+                                                                interpret=False)
+            return jax.vjp(attend, q, k, v)[1](q)
+        try:
+            tpu_compile.compile_for(forward_backward, specs, generation, "flash_attention")
+            ok.append(generation)
+        except Exception as err:  # report, don't hide: the table shows what failed
+            print(f"  {generation}: does not compile: {str(err).splitlines()[0][:200]}")
+    return ok
+
+
 # Per kernel in build.toml: what the demo runs once the kernel is loaded.
-DEMOS = {"ragged_dot": (check_in_models, compiles_for)}
+DEMOS = {
+    "ragged_dot": (lambda kernel, repo_id: check_in_models(kernel), compiles_for),
+    "flash_attention": (check_attention_in_models, attention_compiles_for),
+}
 
 
 def main() -> int:
@@ -108,7 +179,7 @@ def main() -> int:
         variant = Path(kernel.__file__).parent.parent.name
         check, compiles = DEMOS[key]
         print(f"  loaded {variant}; running tiny models (CPU, interpret mode) ...", flush=True)
-        rows = check(kernel)
+        rows = check(kernel, entry["repo-id"])
         print("  compiling for TPU generations with libtpu ...", flush=True)
         generations = ", ".join(compiles(kernel)) or "none"
         for row in rows:
