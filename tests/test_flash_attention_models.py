@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import build_collection
 
@@ -48,8 +48,8 @@ def kernel(tmp_path_factory):
     torch_ops = sys.modules[module.__name__ + ".torch_ops"]
     op = torch_ops.attention_op
 
-    def counted(*args):
-        CALLS.append(args[0].shape)
+    def counted(*args):  # records each call's shapes and static options: what a TPU compiles per signature
+        CALLS.append(tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args))
         return op(*args)
 
     torch_ops.attention_op = counted
@@ -121,6 +121,26 @@ def test_parameter_gradients_match_the_reference(kernel, family):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
     sinks = [p for n, p in ours.named_parameters() if n.endswith("sinks")]
     assert family != "gpt_oss" or (sinks and all(s.grad.abs().sum() > 0 for s in sinks)), "sinks get gradients"
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
+def test_continuous_batching_gives_the_tokens_of_generate(kernel, family):
+    """generate_batch (transformers' continuous batching: on TPU it calls the
+    varlen entry point with requests packed, fewer queries than keys) over
+    prompts of different lengths, against generate one prompt at a time;
+    the op sees at most 16 signatures (shapes and options) in the run."""
+    ours, _ = _models(family)
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 12, 20)]
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    CALLS.clear()
+    with torch.no_grad():
+        batched = ours.generate_batch(prompts, generation_config=config)
+    assert CALLS and len(set(CALLS)) <= 16
+    assert len(batched) == len(prompts)
+    with torch.no_grad():
+        for prompt, result in zip(prompts, sorted(batched.values(), key=lambda r: r.request_id)):
+            alone = ours.generate(torch.tensor([prompt]), generation_config=config)
+            assert result.generated_tokens == alone[0, len(prompt):].tolist()
 
 
 def test_whole_model_compiles_in_one_graph(kernel):
