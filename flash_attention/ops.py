@@ -144,6 +144,7 @@ def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
 
 
 def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
+    """(out [Tq, Hq, Dv], lse [Hkv, Tq_padded * G, 1] f32)."""
     groups = st.opts.groups
     num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
     hkv = k.shape[1]
@@ -152,26 +153,16 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
     o, lse = forward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), row_lo, row_hi,
                      sink_rows, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
                      interpret=st.interpret)
-    return _unrows(o, groups, q.shape[0]), (o, lse)
+    return _unrows(o, groups, q.shape[0]), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)[0]
-
-
-def _attention_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    out, (o_rows, lse) = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)
-    return out, (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, o_rows, lse)
-
-
-def _attention_bwd(st: _Static, residuals, grad_out):
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, o_rows, lse = residuals
+def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st: _Static):
+    """(dq, dk, dv, dsinks or None) from the forward's output and log-sum-exp."""
     groups = st.opts.groups
     num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
     do_rows = _rows(grad_out.astype(q.dtype), groups, num_q)
     # D = rowsum(dO * O): the softmax backward's correction, in f32.
-    di = jnp.sum(do_rows.astype(jnp.float32) * o_rows.astype(jnp.float32), axis=2, keepdims=True)
+    di = jnp.sum(do_rows.astype(jnp.float32) * _rows(out, groups, num_q).astype(jnp.float32), axis=2, keepdims=True)
     dq, dk, dv = backward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows, lse, di,
                           row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
                           interpret=st.interpret)
@@ -183,10 +174,44 @@ def _attention_bwd(st: _Static, residuals, grad_out):
         hkv = k.shape[1]
         p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(hkv, 1, groups) - lse.reshape(hkv, -1, groups))
         dsinks = -jnp.sum(p_sink * di.reshape(hkv, -1, groups), axis=1).reshape(-1).astype(sinks.dtype)
-    return _unrows(dq, groups, q.shape[0]), dk, dv, dsinks, None, None
+    return _unrows(dq, groups, q.shape[0]), dk, dv, dsinks
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
+    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)[0]
+
+
+def _attention_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
+    out, lse = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)
+    return out, (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse)
+
+
+def _attention_bwd(st: _Static, residuals, grad_out):
+    return (*_backward(*residuals, grad_out, st), None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret) -> _Static:
+    """The static description of a call (what a compile depends on)."""
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    generation = generation or current_generation().name
+    interpret = default_interpret() if interpret is None else interpret
+    groups = hq // hkv
+    blocks = blocks or choose_blocks(tq, k.shape[0], d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation)
+    left, right = window_size
+    scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
+    return _Static(Options(scale=scale, softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
+                   blocks, bool(causal), int(left), int(right), None, interpret)
+
+
+def _offsets_valid(q, k, cu_seqlens_q, cu_seqlens_k):
+    """Invalid cu_seqlens cannot make a kernel read out of bounds (see token_ranges); they make the
+    results NaN, a report that needs no device-to-host round trip."""
+    return cu_seqlens_valid(cu_seqlens_q, q.shape[0]) & cu_seqlens_valid(cu_seqlens_k, k.shape[0])
 
 
 def flash_attention_varlen(
@@ -212,25 +237,37 @@ def flash_attention_varlen(
     non-decreasing, ending at most at the token count (invalid ones make
     the output NaN); tokens past cu_seqlens_q[-1] get zeros, keys past
     cu_seqlens_k[-1] are never seen. sinks [Hq] or None. Returns
-    [Tq, Hq, Dv] in q's dtype.
+    [Tq, Hq, Dv] in q's dtype. Differentiable in q, k, v and sinks.
     """
-    tq, hq, d = q.shape
-    tk, hkv, _ = k.shape
-    generation = generation or current_generation().name
-    interpret = default_interpret() if interpret is None else interpret
-    groups = hq // hkv
-    blocks = blocks or choose_blocks(tq, tk, d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation)
-    left, right = window_size
-    st = _Static(Options(scale=float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)),
-                         softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
-                 blocks, bool(causal), int(left), int(right), None, interpret)
-    if tq == 0:
-        return jnp.zeros((0, hq, v.shape[2]), q.dtype)
+    if q.shape[0] == 0:
+        return jnp.zeros((0, q.shape[1], v.shape[2]), q.dtype)
+    st = _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret)
     cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
     out = _attention(q, k, v, sinks, cu_q, cu_k, st)
-    # Invalid cu_seqlens cannot make a kernel read out of bounds (see token_ranges); they make the
-    # output NaN, a report that needs no device-to-host round trip.
-    return jnp.where(cu_seqlens_valid(cu_q, tq) & cu_seqlens_valid(cu_k, tk), out, jnp.nan)
+    return jnp.where(_offsets_valid(q, k, cu_q, cu_k), out, jnp.nan)
+
+
+def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False,
+                                   window_size=(-1, -1), softcap=0.0, sinks=None, blocks=None, generation=None,
+                                   interpret=None):
+    """flash_attention_varlen's output and what its backward needs, the
+    softmax's log-sum-exp per row (f32): (out, lse). For callers that keep
+    residuals themselves (the torch op)."""
+    st = _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret)
+    cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+    out, lse = _forward(q, k, v, sinks, cu_q, cu_k, st)
+    return jnp.where(_offsets_valid(q, k, cu_q, cu_k), out, jnp.nan), lse
+
+
+def flash_attention_varlen_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, *, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, blocks=None,
+                                    generation=None, interpret=None):
+    """(dq, dk, dv, dsinks or None) from flash_attention_varlen_forward's (out, lse), without running the forward."""
+    st = _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret)
+    cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+    grads = _backward(q, k, v, sinks, cu_q, cu_k, out, lse, grad_out, st)
+    valid = _offsets_valid(q, k, cu_q, cu_k)
+    return tuple(None if g is None else jnp.where(valid, g, jnp.nan) for g in grads)
 
 
 def flash_attention(q, k, v, **options) -> jax.Array:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import torch
 
 from . import ops
@@ -33,16 +34,28 @@ def _attention_jax(
     *,
     interpret,
     generation,
-) -> jax.Array:
-    return ops.flash_attention_varlen(
+) -> tuple[jax.Array, jax.Array]:
+    """(out, lse): the output, and the softmax statistics the backward reuses."""
+    return ops.flash_attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, sinks=sinks if has_sinks else None,
         generation=generation, interpret=interpret,
     )
 
 
+def _attention_backward_jax(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, window_left,
+                            window_right, softcap, has_sinks, out, lse, grad_out, grad_lse, *, interpret, generation):
+    """(dq, dk, dv, dsinks) from the forward's (out, lse): the forward does not run again."""
+    dq, dk, dv, dsinks = ops.flash_attention_varlen_backward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), softcap=softcap, sinks=sinks if has_sinks else None,
+        generation=generation, interpret=interpret,
+    )
+    return dq, dk, dv, dsinks if has_sinks else jnp.zeros_like(sinks)
+
+
 attention_op = jax_custom_op(f"{OP_NAMESPACE}::flash_attention_varlen", _attention_jax,
-                             differentiable=("q", "k", "v", "sinks"))
+                             differentiable=("q", "k", "v", "sinks"), backward=_attention_backward_jax)
 
 
 def _check_unsupported(dropout_p, alibi_slopes, return_attn_probs):
@@ -160,7 +173,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     num_q, num_k, num_offsets = bucket_size(tokens), bucket_size(k.shape[0]), bucket_size(cu_seqlens_q.shape[0])
     sinks = s_aux.to(q.dtype) if s_aux is not None else q.new_empty(0)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    out = attention_op(_pad_tokens(q, num_q), _pad_tokens(k, num_k), _pad_tokens(v, num_k),
+    out, _ = attention_op(_pad_tokens(q, num_q), _pad_tokens(k, num_k), _pad_tokens(v, num_k),
                        _pad_offsets(cu_seqlens_q, num_offsets), _pad_offsets(cu_seqlens_k, num_offsets), sinks,
                        scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
                        s_aux is not None)

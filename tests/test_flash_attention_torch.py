@@ -1,6 +1,7 @@
 """flash_attention's torch layer: opcheck, bad input, NaN, invalid offsets on
 the device path, and the shapes a growing context compiles."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,3 +111,20 @@ def test_growing_context_compiles_few_shapes():
     finally:
         torch_ops.attention_op = op
     assert len(seen) == 4  # 400 to 2800 keys, padded to 512, 1024, 2048 or 4096
+
+
+def test_backward_reuses_the_forward_statistics():
+    """The torch op returns the softmax's log-sum-exp with its output, and its
+    backward runs the dq and dkv kernels only: the forward is not run again."""
+    q, k, v, cu_q, cu_k = (jnp.asarray(t.numpy()) for t in _varlen())
+    statics = (0.125, True, -1, -1, 0.0, False)
+    sinks = jnp.zeros((0,))
+    forward = lambda q, k, v: torch_ops._attention_jax(q, k, v, cu_q, cu_k, sinks, *statics, interpret=True,
+                                                       generation="v6e")
+    out, lse = forward(q, k, v)
+    backward = lambda *a: torch_ops._attention_backward_jax(q, k, v, cu_q, cu_k, sinks, *statics, *a,
+                                                            interpret=True, generation="v6e")
+    kernels = lambda fn, *a: {n for n in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv")
+                              if n in str(jax.make_jaxpr(fn)(*a))}
+    assert kernels(forward, q, k, v) == {"flash_attention_fwd"}
+    assert kernels(backward, out, lse, out, jnp.zeros_like(lse)) == {"flash_attention_dq", "flash_attention_dkv"}

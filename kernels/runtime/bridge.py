@@ -11,7 +11,10 @@ into a `torch.library.custom_op` that
   (`jax.eval_shape`), so shapes have one source of truth;
 - is differentiable in the arguments named `differentiable`: its backward
   is a second op running `jax.vjp` of the same function, so the gradient
-  is whatever the JAX side defines (custom_vjp kernels included).
+  is whatever the JAX side defines (custom_vjp kernels included); or, given
+  `backward`, a second op running that JAX function on the forward's
+  inputs, outputs and cotangents (the forward then returns what its
+  backward needs besides its result, and is not run again).
 
 Every JAX function takes two trailing keyword-only parameters that the
 bridge fills in and torch callers never see: `interpret` (True off-TPU)
@@ -178,27 +181,31 @@ class _Runner:
         return [make(o) for o in out] if isinstance(out, (tuple, list)) else make(out)
 
 
-def jax_custom_op(qualname: str, jax_fn, *, differentiable: typing.Sequence[str] = ()):
+def jax_custom_op(qualname: str, jax_fn, *, differentiable: typing.Sequence[str] = (), backward=None):
     """Declares the torch op `qualname` ("namespace::name") backed by `jax_fn`.
 
     Returns the op; call it with the JAX function's torch-visible arguments.
+    `backward(*inputs, *outputs, *cotangents, interpret=, generation=)`, if
+    given, returns the gradients of the `differentiable` arguments, in order.
     """
     sig = _Signature(jax_fn)
     forward = _Runner(qualname, jax_fn, sig.names, sig.types, sig.returns)
     op = torch.library.custom_op(qualname, mutates_args=(), schema=sig.schema())(forward)
     op.register_fake(forward.fake)
     if differentiable:
-        _register_vjp(op, qualname, jax_fn, sig, differentiable)
+        _register_vjp(op, qualname, jax_fn, sig, differentiable, backward)
     return op
 
 
-def _register_vjp(op, qualname, jax_fn, sig, differentiable):
-    """Backward = a second op running jax.vjp of the same JAX function."""
+def _register_vjp(op, qualname, jax_fn, sig, differentiable, backward_fn=None):
+    """Backward = a second op: `backward_fn` on the inputs, outputs and
+    cotangents, or else jax.vjp of the same JAX function (which runs it again)."""
     unknown = set(differentiable) - set(sig.tensors)
     if unknown:
         raise TypeError(f"{qualname}: differentiable {sorted(unknown)} are not tensor arguments")
     diff_positions = [sig.names.index(n) for n in differentiable]
     num_outputs = len(typing.get_args(sig.returns)) if sig.returns_tuple else 1
+    out_names = [f"out{i}" for i in range(num_outputs)] if backward_fn else []
     grad_names = [f"grad_out{i}" for i in range(num_outputs)]
 
     def vjp_fn(*args, interpret, generation):
@@ -213,10 +220,13 @@ def _register_vjp(op, qualname, jax_fn, sig, differentiable):
         _, pullback = jax.vjp(f, *(primals[p] for p in diff_positions))
         return tuple(pullback(tuple(cotangents) if sig.returns_tuple else cotangents[0]))
 
-    names = sig.names + grad_names
-    types = {**sig.types, **{n: jax.Array for n in grad_names}}
+    def given_backward(*args, interpret, generation):
+        return tuple(backward_fn(*args, interpret=interpret, generation=generation))
+
+    names = sig.names + out_names + grad_names
+    types = {**sig.types, **{n: jax.Array for n in out_names + grad_names}}
     returns = tuple[(jax.Array,) * len(diff_positions)]
-    backward_runner = _Runner(qualname + "_vjp", vjp_fn, names, types, returns)
+    backward_runner = _Runner(qualname + "_vjp", given_backward if backward_fn else vjp_fn, names, types, returns)
     backward_op = torch.library.custom_op(
         qualname + "_vjp", mutates_args=(), schema=sig.schema(names=names, types=types, returns="Tensor[]")
     )(backward_runner)
@@ -225,10 +235,14 @@ def _register_vjp(op, qualname, jax_fn, sig, differentiable):
 
     def setup_context(ctx, inputs, output):
         ctx.inputs = inputs
+        ctx.outputs = (list(output) if sig.returns_tuple else [output]) if backward_fn else []
 
     def backward(ctx, *grads):
-        grads = [g.contiguous() for g in (grads[0] if sig.returns_tuple else grads)]
-        diff_grads = iter(backward_op(*ctx.inputs, *grads))
+        grads = grads[0] if sig.returns_tuple else grads
+        if ctx.outputs:  # an output the caller did not use (a residual) gets no gradient: zeros
+            grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, ctx.outputs)]
+        grads = [g.contiguous() for g in grads]
+        diff_grads = iter(backward_op(*ctx.inputs, *ctx.outputs, *grads))
         return tuple(next(diff_grads) if i in diff_positions else None for i in range(len(sig.names)))
 
     op.register_autograd(backward, setup_context=setup_context)
