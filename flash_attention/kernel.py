@@ -12,10 +12,10 @@ when row_lo > row_hi). The ranges only grow with the token, so a query block
 sees one contiguous run of key blocks (`kv_start`, `kv_count` per query
 block) and a key block is seen by one contiguous run of query blocks
 (`q_start`, `q_count`). Both are computed on the device (`make_schedule` in
-ops.py), reach the kernels through scalar prefetch, and drive the block index
-maps: blocks outside the run are never read or computed, and steps past a
-run repeat its last block (no DMA) and skip the body. A block that every row
-sees whole skips the mask arithmetic.
+ops.py) and flattened into the grid's steps: a step per pair of blocks that
+meet (and one for a block that meets none, to write its zeros), so blocks
+outside the runs cost neither a DMA, nor compute, nor a grid step. A block
+that every row sees whole skips the mask arithmetic.
 
 Statistics are kept in f32 whatever the input dtype. Attention sinks enter
 as the softmax's starting max and sum (m = sink, l = 1).
@@ -80,15 +80,70 @@ def _seen_whole(lo_max, hi_min, first_key, block_k):
     return (lo_max <= first_key) & (hi_min >= first_key + block_k - 1)
 
 
+# Every kernel's grid is (KV heads, steps): a step pairs one block of its own
+# side with one block of the other side it meets (`ops.Steps`), and the steps
+# of one own-side block are consecutive, so its accumulators live in VMEM
+# scratch from its first step to its last. Scalar prefetch, in this order:
+# the steps' own-side block and each block's first step, then the other
+# side's run (start, length) per own-side block, then lo_max and hi_min per
+# query block.
+
+
+def _position(step_block, step_first, run_start, run_count):
+    """(own block, step within its run, the other side's block, the run's length) of this grid step."""
+    p = pl.program_id(1)
+    own = step_block[p]
+    j = p - step_first[own]
+    return own, j, _clamped(run_start[own], run_count[own], j), run_count[own]
+
+
+def _clamped(start, count, step):
+    """Block `start + step`, held at the run's last block past its end (no new DMA)."""
+    return start + jnp.minimum(step, jnp.maximum(count - 1, 0))
+
+
+def _run_step(j, count, body_whole, body_masked, whole):
+    """Runs the step's body (without the mask where the block is seen whole) if it is in the run."""
+    runs = j < count
+    pl.when(runs & whole)(body_whole)
+    pl.when(runs & jnp.logical_not(whole))(body_masked)
+
+
+def _prefetch(steps, run_start, run_count, schedule):
+    return steps.block, steps.first, run_start, run_count, schedule.lo_max, schedule.hi_min
+
+
+# Index maps: grid indices (h, p), then the six prefetched arrays.
+def _own_map(h, p, block, first, start, count, *_):
+    return h, block[p], 0
+
+
+def _other_map(h, p, block, first, start, count, *_):
+    own = block[p]
+    return h, _clamped(start[own], count[own], p - first[own]), 0
+
+
+def _own_rows_map(h, p, block, *_):
+    return block[p], 0
+
+
+def _other_rows_map(h, p, block, first, start, count, *_):
+    own = block[p]
+    return _clamped(start[own], count[own], p - first[own]), 0
+
+
+_PARAMS = dict(dimension_semantics=("parallel", "arbitrary"))
+
+
 # ---------------------------------------------------------------- forward
 
 
-def _forward_kernel(kv_start, kv_count, lo_max, hi_min,  # scalar prefetch
+def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,  # scalar prefetch
                     q_ref, k_ref, v_ref, lo_ref, hi_ref, sink_ref,  # inputs
                     o_ref, lse_ref,  # outputs
                     m_ref, l_ref, acc_ref,  # scratch
                     *, opts: Options, block_k: int):
-    i, j = pl.program_id(1), pl.program_id(2)
+    i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count)
 
     @pl.when(j == 0)
     def _init():
@@ -100,7 +155,7 @@ def _forward_kernel(kv_start, kv_count, lo_max, hi_min,  # scalar prefetch
             l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    first_key = (kv_start[i] + j) * block_k
+    first_key = kv_block * block_k
 
     def step(masked: bool):
         s, _ = _scores(q_ref[...], k_ref[...], opts)
@@ -118,22 +173,14 @@ def _forward_kernel(kv_start, kv_count, lo_max, hi_min,  # scalar prefetch
         acc_ref[...] = alpha * acc_ref[...] + _dot(p.astype(v.dtype), v, 1, 0)
         m_ref[...] = m_new
 
-    runs = j < kv_count[i]
-    whole = _seen_whole(lo_max[i], hi_min[i], first_key, block_k)
-    pl.when(runs & whole)(lambda: step(masked=False))
-    pl.when(runs & jnp.logical_not(whole))(lambda: step(masked=True))
+    _run_step(j, count, lambda: step(False), lambda: step(True), _seen_whole(lo_max[i], hi_min[i], first_key, block_k))
 
-    @pl.when(j == pl.num_programs(2) - 1)
+    @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
         l = l_ref[...]
         seen = l > 0.0
         o_ref[...] = (acc_ref[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), EMPTY_LSE)
-
-
-def _clamped(start, count, step):
-    """Block `start + step`, held at the run's last block past its end (no new DMA)."""
-    return start + jnp.minimum(step, jnp.maximum(count - 1, 0))
 
 
 def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, blocks: BlockSizes,
@@ -142,46 +189,37 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
 
     q [Hkv, Tq*G, D], k [Hkv, Tk, D], v [Hkv, Tk, Dv]; row_lo, row_hi
     [Tq*G, 1] int32; sink_rows [Hkv, block_q*G, 1] f32; schedule: the
-    `make_schedule` arrays; its `kv_steps` (a device scalar) is the length
-    of the key axis of the grid.
+    `ops.make_schedule` arrays.
     """
     hkv, rows, d = q.shape
     dv = v.shape[2]
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
-    grid = (hkv, rows // rows_per_block, schedule.kv_steps)
-
-    q_map = lambda h, i, j, kv_start, kv_count, *_: (h, i, 0)
-    kv_map = lambda h, i, j, kv_start, kv_count, *_: (h, _clamped(kv_start[i], kv_count[i], j), 0)
-    row_map = lambda h, i, j, *_: (i, 0)
-    sink_map = lambda h, i, j, *_: (h, 0, 0)
-    kernel = functools.partial(_forward_kernel, opts=opts, block_k=bk)
+    steps = schedule.q_steps
     return pl.pallas_call(
-        kernel,
+        functools.partial(_forward_kernel, opts=opts, block_k=bk),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, rows, 1), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=grid,
+            num_scalar_prefetch=6,
+            grid=(hkv, steps.count),
             in_specs=[
-                pl.BlockSpec((None, rows_per_block, d), q_map),
-                pl.BlockSpec((None, bk, d), kv_map),
-                pl.BlockSpec((None, bk, dv), kv_map),
-                pl.BlockSpec((rows_per_block, 1), row_map),
-                pl.BlockSpec((rows_per_block, 1), row_map),
-                pl.BlockSpec((None, rows_per_block, 1), sink_map),
+                pl.BlockSpec((None, rows_per_block, d), _own_map),
+                pl.BlockSpec((None, bk, d), _other_map),
+                pl.BlockSpec((None, bk, dv), _other_map),
+                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
+                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
+                pl.BlockSpec((None, rows_per_block, 1), lambda h, *_: (h, 0, 0)),
             ],
-            out_specs=[pl.BlockSpec((None, rows_per_block, dv), q_map),
-                       pl.BlockSpec((None, rows_per_block, 1), q_map)],
+            out_specs=[pl.BlockSpec((None, rows_per_block, dv), _own_map),
+                       pl.BlockSpec((None, rows_per_block, 1), _own_map)],
             scratch_shapes=[pltpu.VMEM((rows_per_block, 1), jnp.float32),
                             pltpu.VMEM((rows_per_block, 1), jnp.float32),
                             pltpu.VMEM((rows_per_block, dv), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                             vmem_limit_bytes=vmem_limit),
+        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(schedule.kv_start, schedule.kv_count, schedule.lo_max, schedule.hi_min,
-      q, k, v, row_lo, row_hi, sink_rows)
+    )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, row_lo, row_hi, sink_rows)
 
 
 # ---------------------------------------------------------------- backward
@@ -202,18 +240,18 @@ def _score_grad(p, dp, di, t, opts: Options):
     return ds * opts.scale
 
 
-def _dq_kernel(kv_start, kv_count, lo_max, hi_min,
+def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                dq_ref,
                acc_ref,
                *, opts: Options, block_k: int):
-    i, j = pl.program_id(1), pl.program_id(2)
+    i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count)
 
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    first_key = (kv_start[i] + j) * block_k
+    first_key = kv_block * block_k
 
     def step(masked: bool):
         visible = _visible(lo_ref, hi_ref, first_key, block_k) if masked else None
@@ -223,22 +261,19 @@ def _dq_kernel(kv_start, kv_count, lo_max, hi_min,
         ds = _score_grad(p, dp, di_ref[...], t, opts)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, 1, 0)
 
-    runs = j < kv_count[i]
-    whole = _seen_whole(lo_max[i], hi_min[i], first_key, block_k)
-    pl.when(runs & whole)(lambda: step(masked=False))
-    pl.when(runs & jnp.logical_not(whole))(lambda: step(masked=True))
+    _run_step(j, count, lambda: step(False), lambda: step(True), _seen_whole(lo_max[i], hi_min[i], first_key, block_k))
 
-    @pl.when(j == pl.num_programs(2) - 1)
+    @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
         dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_start, q_count, lo_max, hi_min,
+def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
                 k_ref, v_ref, q_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                 dk_ref, dv_ref,
                 dk_acc, dv_acc,
                 *, opts: Options, block_k: int):
-    j, i = pl.program_id(1), pl.program_id(2)
+    j, i, q_block, count = _position(step_block, step_first, q_start, q_count)
 
     @pl.when(i == 0)
     def _init():
@@ -246,7 +281,6 @@ def _dkv_kernel(q_start, q_count, lo_max, hi_min,
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
     first_key = j * block_k
-    q_block = _clamped(q_start[j], q_count[j], i)
 
     def step(masked: bool):
         visible = _visible(lo_ref, hi_ref, first_key, block_k) if masked else None
@@ -257,12 +291,10 @@ def _dkv_kernel(q_start, q_count, lo_max, hi_min,
         ds = _score_grad(p, dp, di_ref[...], t, opts)
         dk_acc[...] += _dot(ds.astype(q.dtype), q, 0, 0)
 
-    runs = i < q_count[j]
     whole = _seen_whole(lo_max[q_block], hi_min[q_block], first_key, block_k)
-    pl.when(runs & whole)(lambda: step(masked=False))
-    pl.when(runs & jnp.logical_not(whole))(lambda: step(masked=True))
+    _run_step(i, count, lambda: step(False), lambda: step(True), whole)
 
-    @pl.when(i == pl.num_programs(2) - 1)
+    @pl.when(i == jnp.maximum(count, 1) - 1)
     def _finish():
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
@@ -272,67 +304,60 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
              vmem_limit: int | None, interpret):
     """(dq, dk, dv) in the inputs' layouts and dtypes. lse and di [Hkv, Tq*G, 1] f32."""
     hkv, rows, d = q.shape
-    tk, dv_dim = k.shape[1], v.shape[2]
+    dv_dim = v.shape[2]
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
-    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                  vmem_limit_bytes=vmem_limit)
+    params = pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit)
 
-    # dq: one query block per (head, i), walking its run of key blocks.
-    q_map = lambda h, i, j, kv_start, kv_count, *_: (h, i, 0)
-    kv_map = lambda h, i, j, kv_start, kv_count, *_: (h, _clamped(kv_start[i], kv_count[i], j), 0)
-    row_map = lambda h, i, j, *_: (i, 0)
+    # dq: per query block, its run of key blocks.
+    steps = schedule.q_steps
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, opts=opts, block_k=bk),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(hkv, rows // rows_per_block, schedule.kv_steps),
+            num_scalar_prefetch=6,
+            grid=(hkv, steps.count),
             in_specs=[
-                pl.BlockSpec((None, rows_per_block, d), q_map),
-                pl.BlockSpec((None, bk, d), kv_map),
-                pl.BlockSpec((None, bk, dv_dim), kv_map),
-                pl.BlockSpec((None, rows_per_block, dv_dim), q_map),
-                pl.BlockSpec((None, rows_per_block, 1), q_map),
-                pl.BlockSpec((None, rows_per_block, 1), q_map),
-                pl.BlockSpec((rows_per_block, 1), row_map),
-                pl.BlockSpec((rows_per_block, 1), row_map),
+                pl.BlockSpec((None, rows_per_block, d), _own_map),
+                pl.BlockSpec((None, bk, d), _other_map),
+                pl.BlockSpec((None, bk, dv_dim), _other_map),
+                pl.BlockSpec((None, rows_per_block, dv_dim), _own_map),
+                pl.BlockSpec((None, rows_per_block, 1), _own_map),
+                pl.BlockSpec((None, rows_per_block, 1), _own_map),
+                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
+                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
             ],
-            out_specs=pl.BlockSpec((None, rows_per_block, d), q_map),
+            out_specs=pl.BlockSpec((None, rows_per_block, d), _own_map),
             scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32)],
         ),
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dq",
-    )(schedule.kv_start, schedule.kv_count, schedule.lo_max, schedule.hi_min,
-      q, k, v, do, lse, di, row_lo, row_hi)
+    )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse, di, row_lo, row_hi)
 
-    # dk, dv: one key block per (head, j), walking the run of query blocks that see it.
-    k_map = lambda h, j, i, q_start, q_count, *_: (h, j, 0)
-    qb_map = lambda h, j, i, q_start, q_count, *_: (h, _clamped(q_start[j], q_count[j], i), 0)
-    rowb_map = lambda h, j, i, q_start, q_count, *_: (_clamped(q_start[j], q_count[j], i), 0)
+    # dk, dv: per key block, the run of query blocks that see it.
+    steps = schedule.k_steps
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, opts=opts, block_k=bk),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(hkv, tk // bk, schedule.q_steps),
+            num_scalar_prefetch=6,
+            grid=(hkv, steps.count),
             in_specs=[
-                pl.BlockSpec((None, bk, d), k_map),
-                pl.BlockSpec((None, bk, dv_dim), k_map),
-                pl.BlockSpec((None, rows_per_block, d), qb_map),
-                pl.BlockSpec((None, rows_per_block, dv_dim), qb_map),
-                pl.BlockSpec((None, rows_per_block, 1), qb_map),
-                pl.BlockSpec((None, rows_per_block, 1), qb_map),
-                pl.BlockSpec((rows_per_block, 1), rowb_map),
-                pl.BlockSpec((rows_per_block, 1), rowb_map),
+                pl.BlockSpec((None, bk, d), _own_map),
+                pl.BlockSpec((None, bk, dv_dim), _own_map),
+                pl.BlockSpec((None, rows_per_block, d), _other_map),
+                pl.BlockSpec((None, rows_per_block, dv_dim), _other_map),
+                pl.BlockSpec((None, rows_per_block, 1), _other_map),
+                pl.BlockSpec((None, rows_per_block, 1), _other_map),
+                pl.BlockSpec((rows_per_block, 1), _other_rows_map),
+                pl.BlockSpec((rows_per_block, 1), _other_rows_map),
             ],
-            out_specs=[pl.BlockSpec((None, bk, d), k_map), pl.BlockSpec((None, bk, dv_dim), k_map)],
+            out_specs=[pl.BlockSpec((None, bk, d), _own_map), pl.BlockSpec((None, bk, dv_dim), _own_map)],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32)],
         ),
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dkv",
-    )(schedule.q_start, schedule.q_count, schedule.lo_max, schedule.hi_min,
-      k, v, q, do, lse, di, row_lo, row_hi)
+    )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse, di, row_lo, row_hi)
     return dq, dk, dv

@@ -39,6 +39,18 @@ def default_interpret():
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class Steps:
+    """A kernel's grid steps, flattened: every block of one side (query blocks
+    for the forward and dq, key blocks for dkv) gets the run of blocks of the
+    other side it meets, one step each, and one step even when the run is
+    empty (to write its zeros). Only steps that meet are on the grid."""
+    block: jax.Array  # [max steps] the block (of this side) each step serves; past `count`, the last one
+    first: jax.Array  # [blocks] the first step of each block
+    count: jax.Array  # () the steps on the grid: sum over blocks of max(run length, 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Schedule:
     """Which blocks meet, per query block and per key block (see kernel.py)."""
     kv_start: jax.Array  # [nQ] first key block a query block sees
@@ -47,8 +59,16 @@ class Schedule:
     hi_min: jax.Array  # [nQ] the smallest row_hi of its rows
     q_start: jax.Array  # [nK] first query block that sees a key block
     q_count: jax.Array  # [nK] how many query blocks see it
-    kv_steps: jax.Array  # () max(kv_count, 1): the forward's and dq's key axis
-    q_steps: jax.Array  # () max(q_count, 1): dkv's query axis
+    q_steps: Steps  # the forward's and dq's grid: per query block, its key blocks
+    k_steps: Steps  # dkv's grid: per key block, its query blocks
+
+
+def _steps(run_lengths: jax.Array, max_steps: int) -> Steps:
+    steps = jnp.maximum(run_lengths, 1)
+    first = (jnp.cumsum(steps) - steps).astype(jnp.int32)
+    step = jnp.arange(max_steps, dtype=jnp.int32)
+    block = jnp.searchsorted(first, step, side="right").astype(jnp.int32) - 1
+    return Steps(block, first, jnp.sum(steps).astype(jnp.int32))
 
 
 def token_ranges(cu_seqlens_q, cu_seqlens_k, num_q: int, num_k: int, causal: bool, left: int, right: int):
@@ -99,9 +119,10 @@ def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int) -> Schedule:
     seen = jnp.any(meets, axis=1)
     q_start = jnp.where(seen, q_first, 0).astype(jnp.int32)
     q_count = jnp.where(seen, q_last - q_first + 1, 0).astype(jnp.int32)
+    max_steps = kv_count.shape[0] * q_count.shape[0]  # every pair meets, at most
     return Schedule(kv_start, kv_count, jnp.max(lo_blocks, axis=1).astype(jnp.int32),
                     jnp.min(hi_blocks, axis=1).astype(jnp.int32), q_start, q_count,
-                    jnp.maximum(jnp.max(kv_count), 1), jnp.maximum(jnp.max(q_count), 1))
+                    _steps(kv_count, max_steps), _steps(q_count, max_steps))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,21 +134,28 @@ def test_dense_batch_is_the_packed_batch():
 def test_schedule_skips_blocks_no_query_sees():
     """Causal attention over one sequence of 8 key blocks: query block i sees
     key blocks 0 .. i only, and key block j is seen by query blocks j .. 7:
-    36 of 64 block pairs, the causal triangle and no more."""
+    36 of 64 block pairs, the causal triangle, are the grid's steps."""
     tokens, block = 1024, 128
     cu = jnp.asarray([0, tokens], jnp.int32)
-    lo, hi = ops.token_ranges(cu, cu, tokens, causal=True, left=-1, right=-1)
+    lo, hi = ops.token_ranges(cu, cu, tokens, tokens, causal=True, left=-1, right=-1)
     schedule = ops.make_schedule(lo, hi, block, block, tokens)
     np.testing.assert_array_equal(schedule.kv_start, 0)
     np.testing.assert_array_equal(schedule.kv_count, np.arange(1, 9))
     np.testing.assert_array_equal(schedule.q_start, np.arange(8))
     np.testing.assert_array_equal(schedule.q_count, np.arange(8, 0, -1))
-    assert int(schedule.kv_count.sum()) == 36 and int(schedule.kv_steps) == 8
+    assert int(schedule.q_steps.count) == int(schedule.k_steps.count) == 36
+    np.testing.assert_array_equal(schedule.q_steps.block[:36], np.repeat(np.arange(8), np.arange(1, 9)))
+    np.testing.assert_array_equal(schedule.k_steps.first, np.cumsum([0, 8, 7, 6, 5, 4, 3, 2]))
     # A window of 128 keys: each query block sees its own key block and the one before.
-    lo, hi = ops.token_ranges(cu, cu, tokens, causal=True, left=127, right=-1)
+    lo, hi = ops.token_ranges(cu, cu, tokens, tokens, causal=True, left=127, right=-1)
     schedule = ops.make_schedule(lo, hi, block, block, tokens)
     np.testing.assert_array_equal(schedule.kv_count, [1] + [2] * 7)
-    assert int(schedule.kv_steps) == 2
+    assert int(schedule.q_steps.count) == 15
+    # Queries past cu_seqlens_q[-1] = 500 see nothing: their block still gets one step, to write its zeros.
+    lo, hi = ops.token_ranges(jnp.asarray([0, 500], jnp.int32), cu, tokens, tokens, causal=False, left=-1, right=-1)
+    schedule = ops.make_schedule(lo, hi, 512, block, tokens)
+    np.testing.assert_array_equal(schedule.kv_count, [8, 0])
+    assert int(schedule.q_steps.count) == 9
 
 
 def test_kernels_pass_the_tpu_interpreter():

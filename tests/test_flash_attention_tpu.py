@@ -10,13 +10,16 @@ from flash_attention import ops
 from flash_attention._shared.generations import GENERATIONS
 
 # (generation, tokens, Hq, Hkv, D, Dv, dtype, options): every generation at Llama-3-8B's
-# attention, then each head dim, f32, and every option once, spread over the generations.
+# attention, then each head dim, f32, every option once and a long packed batch, spread over
+# the generations.
 CASES = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
     ("v5e", 1024, 8, 8, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     ("v5p", 1024, 8, 2, 80, 80, jnp.bfloat16, dict(causal=True)),
     ("v6e", 1024, 8, 1, 96, 96, jnp.float32, dict(causal=False)),
     ("tpu7x", 1024, 8, 8, 192, 128, jnp.bfloat16, dict(causal=True)),
     ("v5e", 1024, 8, 4, 256, 256, jnp.bfloat16, dict(causal=True, softcap=50.0, window_size=(255, 0))),
+    # 128k tokens: the rule grows the blocks until the step list fits SMEM.
+    ("v5e", 131072, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)),
 ]
 
 
