@@ -87,6 +87,139 @@ def ours(shape: AttentionShape, tokens: int, generation: str):
     return fn, f"{blocks.block_q}x{blocks.block_k}"
 
 
+# ---------------------------------------------------------------- anchors
+# Each anchor gets its default blocks and a small sweep, all under its own rules (none of them
+# lets a caller raise Mosaic's scoped VMEM but tpu-inference's); its row is the fastest that
+# compiles. Every anchor takes [B, S, H, D] here (B = 1) and runs causal attention scaled by
+# 1/sqrt(D); what an anchor cannot do (GQA, sinks, windows, softcap, a backward) is n/a, or
+# for GQA done its way (repeated K and V for the MHA-only kernels, a copy it pays for).
+SWEEP = ((128, 128), (512, 512), (1024, 512))  # (query block, key block)
+
+
+def _repeat_kv(q, x):
+    groups = q.shape[2] // x.shape[2]
+    return x if groups == 1 else jnp.repeat(x, groups, axis=2)
+
+
+def _heads_major(x):
+    return jnp.swapaxes(x, 1, 2)  # [B, S, H, D] <-> [B, H, S, D]
+
+
+def jax_flash(shape: AttentionShape, block_q: int, block_k: int):
+    """jax's Pallas TPU flash_attention: MHA only, [B, H, S, D], top-left causal (equal lengths here)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    if shape.options:
+        return None
+    blocks = fa.BlockSizes(block_q=block_q, block_k_major=block_k, block_k=block_k, block_b=1,
+                           block_q_major_dkv=block_q, block_k_major_dkv=block_k, block_k_dkv=block_k,
+                           block_q_dkv=block_q, block_k_major_dq=block_k, block_k_dq=block_k, block_q_dq=block_q)
+
+    def fn(q, k, v, sinks):
+        out = fa.flash_attention(_heads_major(q), _heads_major(_repeat_kv(q, k)), _heads_major(_repeat_kv(q, v)),
+                                 causal=True, sm_scale=shape.head_dim ** -0.5, block_sizes=blocks)
+        return _heads_major(out)
+
+    return fn
+
+
+def splash(shape: AttentionShape, block_q: int, block_k: int):
+    """jax's splash attention: GQA, static causal (and local) masks, softcap, sinks; no batch
+    dimension (vmapped) and no softmax scale (q is pre-scaled)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    options = shape.kwargs
+    left = options.get("window_size", (-1, 0))[0]
+
+    def fn(q, k, v, sinks):
+        tokens = q.shape[1]
+        mask = sa.LocalMask((tokens, tokens), (left, 0), 0) if left >= 0 else sa.CausalMask((tokens, tokens))
+        blocks = sa.BlockSizes(block_q=block_q, block_kv=block_k, block_kv_compute=block_k, block_q_dkv=block_q,
+                               block_kv_dkv=block_k, block_kv_dkv_compute=block_k, block_q_dq=block_q,
+                               block_kv_dq=block_k)
+        # Built per call: the kernel holds its mask metadata as arrays of the trace it was made in.
+        kernel = sa.make_splash_mha_single_device(sa.MultiHeadMask([mask] * shape.q_heads), block_sizes=blocks,
+                                                  attn_logits_soft_cap=options.get("softcap"))
+        q = q * jnp.asarray(shape.head_dim ** -0.5, q.dtype)
+        if options.get("sinks"):
+            out = jax.vmap(lambda q, k, v: kernel(q, k, v, None, sinks))(*map(_heads_major, (q, k, v)))
+        else:
+            out = jax.vmap(kernel)(*map(_heads_major, (q, k, v)))
+        return _heads_major(out)
+
+    return fn
+
+
+def tokamax_attention(shape: AttentionShape, block_q: int, block_k: int):
+    """tokamax 0.0.12's Mosaic TPU attention (its own splash fork, GQA, [B, S, H, D], one fused
+    backward kernel); softcap yes, sinks and windows no."""
+    from tokamax._src.ops.attention import pallas_mosaic_tpu as tpu_op
+    from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as tpu_vjp
+
+    options = shape.kwargs
+    if "sinks" in options or "window_size" in options:
+        return None
+    # Its device check reads the default device, this CPU, also while the grid walk traces it: the
+    # bench only traces it and compiles it for a TPU.
+    for op_class in (tpu_op.PallasMosaicTpuFlashAttention, tpu_vjp.PallasMosaicTpuFlashAttentionVjp):
+        op_class.supported_on = lambda self, device: True
+    layout = tpu_op.splash.QKVLayout.HEAD_DIM_MINOR  # its heuristics' layout and scheduler
+    op = tpu_op.PallasMosaicTpuFlashAttention(
+        config=tpu_op.Config(block_q=block_q, block_kv=block_k, block_kv_compute=block_k, q_layout=layout,
+                             k_layout=layout, v_layout=layout, use_experimental_scheduler=True),
+        vjp=tpu_vjp.PallasMosaicTpuFlashAttentionVjp(
+            config=tpu_vjp.Config(block_q_dkv=block_q, block_kv_dkv=block_k, block_kv_dkv_compute=block_k)))
+
+    def fn(q, k, v, sinks):
+        return op(q, k, v, is_causal=True, logits_scale=shape.head_dim ** -0.5,
+                  logits_soft_cap=options.get("softcap"))
+
+    return fn
+
+
+def tpu_inference_flash(shape: AttentionShape, block_q: int, block_k: int):
+    """tpu-inference 0.32.0's flash attention (a forward-only fork of jax's, MHA, [B, H, S, D])."""
+    module = _tpu_inference_flash_module()
+    if shape.options or module is None:
+        return None
+    blocks = module.BlockSizes(block_q=block_q, block_k_major=block_k, block_k=block_k, block_b=1)
+
+    def fn(q, k, v, sinks):
+        out = module.flash_attention(_heads_major(q), _heads_major(_repeat_kv(q, k)), _heads_major(_repeat_kv(q, v)),
+                                     causal=True, sm_scale=shape.head_dim ** -0.5, block_sizes=blocks)
+        return _heads_major(out)
+
+    return fn
+
+
+def _tpu_inference_flash_module():
+    """Its kernel file, loaded past the package's vLLM imports (bench.py's stubs, plus
+    `tpu_inference.utils`, which the kernel imports for one helper); None if not installed."""
+    import types
+
+    import bench
+
+    if bench._tpu_inference_gmm() is None:  # installs the package and logger stubs
+        return None
+    if "tpu_inference.utils" not in sys.modules:
+        utils = types.ModuleType("tpu_inference.utils")
+        utils.align_to = lambda x, multiple: -(-x // multiple) * multiple
+        sys.modules["tpu_inference.utils"] = utils
+    import importlib
+
+    return importlib.import_module("tpu_inference.kernels.flash_attention.kernel")
+
+
+# name -> (fn of (shape, block_q, block_k) or None where n/a, kernel name in libtpu's report, has a backward)
+ANCHORS = {
+    "jax flash_attention": (jax_flash, "flash", True),
+    "splash": (splash, "splash", True),
+    "tokamax": (tokamax_attention, "splash", True),
+    "tpu-inference flash": (tpu_inference_flash, "flash_attention", False),
+}
+IMPLS = ("ours", *ANCHORS)
+
+
 def _program(fn, pass_name: str):
     if pass_name == "fwd":
         return fn
@@ -104,33 +237,73 @@ def causal_flops(shape: AttentionShape, tokens: int, pass_name: str) -> float:
     return forward * (1 if pass_name == "fwd" else 3.5)
 
 
-def bench_one(shape: AttentionShape, tokens: int, pass_name: str, generation: str, impl: str) -> dict:
+def measure(program, shape: AttentionShape, tokens: int, generation: str, kernel_name: str) -> dict:
+    """The schedule model of one compiled program, with its walked kernels' counts."""
     gen = GENERATIONS[generation]
-    fn, tiling = ours(shape, tokens, generation)
-    program = _program(fn, pass_name)
     d = shape.head_dim
-    specs = [((tokens, shape.q_heads, d), jnp.bfloat16), ((tokens, shape.kv_heads, d), jnp.bfloat16),
-             ((tokens, shape.kv_heads, d), jnp.bfloat16), ((shape.q_heads,), jnp.bfloat16)]
-    row = dict(model=shape.model, tokens=tokens, pass_=pass_name, generation=generation, impl=impl, tiling=tiling,
-               causal_flops=causal_flops(shape, tokens, pass_name))
+    specs = [((1, tokens, shape.q_heads, d), jnp.bfloat16), ((1, tokens, shape.kv_heads, d), jnp.bfloat16),
+             ((1, tokens, shape.kv_heads, d), jnp.bfloat16), ((shape.q_heads,), jnp.bfloat16)]
     try:
         costs = grid_walk.kernel_costs(program, [jax.ShapeDtypeStruct(s, t) for s, t in specs], gen.mxu_width)
-        report = tpu_compile.compile_for(program, specs, generation, KERNEL_NAME)
+        if not costs:
+            raise RuntimeError("the grid walk found no Pallas kernel in the program")
+        report = tpu_compile.compile_for(program, specs, generation, kernel_name)
         parts = pipeline.program_seconds(costs, report.schedules, generation)
     except Exception as err:  # noqa: BLE001  (a row says what failed)
-        return dict(row, error=str(err).splitlines()[0][:200])
-    kv_bytes = 2 * tokens * shape.kv_heads * d * 2
-    forward = costs[0]
-    kv_read = sum(b for name, b in forward.bytes_by_operand.items() if name.startswith(("in1:", "in2:")))
-    query_blocks = math.ceil(tokens / int(tiling.split("x")[0]))
-    bound = max(row["causal_flops"] / gen.bf16_flops, kv_bytes / gen.hbm_bytes_per_s)
-    return dict(row, compiles=True, vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
+        return dict(error=str(err).splitlines()[0][:200])
+    return dict(compiles=True, vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
                 modeled_us=parts["modeled"] * 1e6, compute_us=parts["compute"] * 1e6, dma_us=parts["dma"] * 1e6,
                 around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
-                grid_steps=sum(c.grid_steps for c in costs),
-                mxu_vs_causal=sum(c.dot_flops for c in costs) / row["causal_flops"],
-                kv_reads_vs_query_blocks=kv_read / (kv_bytes * query_blocks),
-                vs_roofline=parts["modeled"] / bound)
+                grid_steps=sum(c.grid_steps for c in costs), dot_flops=sum(c.dot_flops for c in costs),
+                costs=costs)
+
+
+def bench_one(shape: AttentionShape, tokens: int, pass_name: str, generation: str, impls=IMPLS) -> list[dict]:
+    gen = GENERATIONS[generation]
+    base = dict(model=shape.model, tokens=tokens, pass_=pass_name, generation=generation,
+                causal_flops=causal_flops(shape, tokens, pass_name))
+    kv_bytes = 2 * tokens * shape.kv_heads * shape.head_dim * 2
+    bound = max(base["causal_flops"] / gen.bf16_flops, kv_bytes / gen.hbm_bytes_per_s) * 1e6
+    rows = []
+
+    def finish(row):
+        costs = row.pop("costs", None)
+        if "modeled_us" in row:
+            row.update(mxu_vs_causal=row.pop("dot_flops") / base["causal_flops"], vs_roofline=row["modeled_us"] / bound)
+        return row, costs
+
+    if "ours" in impls:
+        fn, tiling = ours(shape, tokens, generation)
+        flat = lambda q, k, v, sinks: fn(q[0], k[0], v[0], sinks)[None]
+        row, costs = finish(dict(base, impl="ours", tiling=tiling,
+                                 **measure(_program(flat, pass_name), shape, tokens, generation, KERNEL_NAME)))
+        if costs:
+            # K and V bytes the forward kernel reads, over (K and V size) x (query blocks).
+            kv_read = sum(b for name, b in costs[0].bytes_by_operand.items() if name.startswith(("in1:", "in2:")))
+            row["kv_reads_vs_query_blocks"] = kv_read / (kv_bytes * math.ceil(tokens / int(tiling.split("x")[0])))
+        rows.append(row)
+    for impl, (make, kernel_name, has_backward) in ANCHORS.items():
+        if impl not in impls:
+            continue
+        tried = {}
+        for block_q, block_k in SWEEP:
+            tiling = f"{block_q}x{block_k}"
+            try:
+                fn = make(shape, block_q, block_k) if (has_backward or pass_name == "fwd") and block_k <= tokens else None
+            except Exception as err:  # noqa: BLE001  (the anchor refuses this tiling)
+                tried[tiling] = dict(base, impl=impl, tiling=tiling, error=str(err).splitlines()[0][:200])
+                continue
+            if fn is not None:
+                tried[tiling] = finish(dict(base, impl=impl, tiling=tiling, **measure(
+                    _program(fn, pass_name), shape, tokens, generation, kernel_name)))[0]
+        ok = [r for r in tried.values() if "modeled_us" in r]
+        if not tried:
+            rows.append(dict(base, impl=impl, tiling="-", error="n/a: not supported"))
+            continue
+        best = dict(min(ok, key=lambda r: r["modeled_us"]) if ok else next(iter(tried.values())))
+        best["candidates"] = {t: round(r["modeled_us"], 1) if "modeled_us" in r else None for t, r in tried.items()}
+        rows.append(best)
+    return rows
 
 
 def write_markdown(results: list[dict], path: Path) -> None:
@@ -167,8 +340,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="*", type=int, default=list(SEQUENCES))
     parser.add_argument("--passes", nargs="*", default=list(PASSES), choices=list(PASSES))
     parser.add_argument("--generations", nargs="*", default=list(BENCH_GENERATIONS), choices=list(GENERATIONS))
+    parser.add_argument("--impls", nargs="*", default=list(IMPLS), choices=list(IMPLS))
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
+    sys.argv = sys.argv[:1]  # tokamax parses absl flags from sys.argv on first use
     args.out.mkdir(parents=True, exist_ok=True)
     cases = [(s, t, p, g) for s in SHAPES if s.model in args.models for t in args.tokens for p in args.passes
              for g in args.generations]
@@ -176,7 +351,7 @@ def main(argv=None) -> int:
     for i, (shape, tokens, pass_name, generation) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {shape.model} {tokens} {pass_name} {generation} ({time.perf_counter() - start:.0f} s)",
               flush=True)
-        results.append(bench_one(shape, tokens, pass_name, generation, "ours"))
+        results += bench_one(shape, tokens, pass_name, generation, args.impls)
         (args.out / "flash_attention.json").write_text(json.dumps(results, indent=1))
         write_markdown(results, args.out / "flash_attention.md")
     print(f"wrote {args.out / 'flash_attention.md'}: MODELED figures, not TPU measurements")

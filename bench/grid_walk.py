@@ -38,7 +38,8 @@ import numpy as np
 from jax._src.pallas import core as pallas_core
 from jax._src.state.discharge import discharge_state
 
-CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+                   "custom_vmap_call"}
 
 
 @dataclasses.dataclass
@@ -64,7 +65,7 @@ class KernelCost:
 
 
 def _sub_jaxpr(eqn):
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "call"):
         value = eqn.params.get(key)
         if isinstance(value, jcore.ClosedJaxpr):
             return value
