@@ -55,6 +55,8 @@ BAD = [
     (dict(s_aux=torch.randn(3)), ValueError, "s_aux"),
     (dict(s_aux=torch.zeros(4, dtype=torch.int32)), TypeError, "s_aux"),
     (dict(q=torch.randn(30, 4, 64).numpy()), TypeError, "q must be a torch.Tensor"),
+    (dict(k=torch.randn(50, 2, 64, device="meta")), ValueError, "one device"),
+    (dict(cu_seqlens_k=torch.tensor([0, 20, 50], dtype=torch.int32, device="meta")), ValueError, "cu_seqlens_k is on meta"),
 ]
 
 
