@@ -134,6 +134,15 @@ def _other_rows_map(h, p, block, first, start, count, *_):
 _PARAMS = dict(dimension_semantics=("parallel", "arbitrary"))
 
 
+def _query_side_specs(rows_per_block, dv, block_map, rows_map):
+    """Specs of dO [rows, Dv], lse and D [rows, 1], row_lo and row_hi: the backward's per-query inputs."""
+    return [pl.BlockSpec((None, rows_per_block, dv), block_map),
+            pl.BlockSpec((None, rows_per_block, 1), block_map),
+            pl.BlockSpec((None, rows_per_block, 1), block_map),
+            pl.BlockSpec((rows_per_block, 1), rows_map),
+            pl.BlockSpec((rows_per_block, 1), rows_map)]
+
+
 # ---------------------------------------------------------------- forward
 
 
@@ -320,11 +329,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
                 pl.BlockSpec((None, rows_per_block, d), _own_map),
                 pl.BlockSpec((None, bk, d), _other_map),
                 pl.BlockSpec((None, bk, dv_dim), _other_map),
-                pl.BlockSpec((None, rows_per_block, dv_dim), _own_map),
-                pl.BlockSpec((None, rows_per_block, 1), _own_map),
-                pl.BlockSpec((None, rows_per_block, 1), _own_map),
-                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
-                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
+                *_query_side_specs(rows_per_block, dv_dim, _own_map, _own_rows_map),
             ],
             out_specs=pl.BlockSpec((None, rows_per_block, d), _own_map),
             scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32)],
@@ -346,11 +351,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
                 pl.BlockSpec((None, bk, d), _own_map),
                 pl.BlockSpec((None, bk, dv_dim), _own_map),
                 pl.BlockSpec((None, rows_per_block, d), _other_map),
-                pl.BlockSpec((None, rows_per_block, dv_dim), _other_map),
-                pl.BlockSpec((None, rows_per_block, 1), _other_map),
-                pl.BlockSpec((None, rows_per_block, 1), _other_map),
-                pl.BlockSpec((rows_per_block, 1), _other_rows_map),
-                pl.BlockSpec((rows_per_block, 1), _other_rows_map),
+                *_query_side_specs(rows_per_block, dv_dim, _other_map, _other_rows_map),
             ],
             out_specs=[pl.BlockSpec((None, bk, d), _own_map), pl.BlockSpec((None, bk, dv_dim), _own_map)],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32)],

@@ -24,17 +24,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ._shared.generations import current_generation
+from ._shared.generations import current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import BlockSizes, Options, backward, forward
 from .tuning import choose_blocks
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
-
-
-def default_interpret():
-    """Pallas runs compiled on a TPU and in interpret mode anywhere else."""
-    return jax.devices()[0].platform != "tpu"
 
 
 @jax.tree_util.register_dataclass

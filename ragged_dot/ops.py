@@ -12,15 +12,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._shared.generations import GENERATIONS, current_generation
+from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import grouped_matmul, transposed_grouped_matmul
 from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
-
-
-def default_interpret():
-    """Pallas runs compiled on a TPU and in interpret mode anywhere else."""
-    return jax.devices()[0].platform != "tpu"
 
 
 def _resolve(generation, interpret):

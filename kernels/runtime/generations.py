@@ -94,6 +94,13 @@ def generation_of_device_kind(device_kind: str) -> Generation:
     )
 
 
+def default_interpret() -> bool:
+    """Pallas runs compiled on a TPU and in interpret mode anywhere else."""
+    import jax
+
+    return jax.devices()[0].platform != "tpu"
+
+
 def current_generation() -> Generation:
     """The generation of jax's default device, or the default table off-TPU."""
     import jax
