@@ -17,14 +17,21 @@ meet (and one for a block that meets none, to write its zeros), so blocks
 outside the runs cost neither a DMA, nor compute, nor a grid step. A block
 that every row sees whole skips the mask arithmetic.
 
-Statistics are kept in f32 whatever the input dtype. Attention sinks enter
-as the softmax's starting max and sum (m = sink, l = 1).
+Statistics are kept in f32 whatever the input dtype, in base 2 (exp2 is the
+EUP's operation; log2(e) is folded into the scale), each row's held
+replicated over 128 lanes so that it meets the scores as whole vregs.
+Attention sinks enter as the softmax's starting max and sum (m = sink,
+l = 1). Per-row arrays (lse, D, the key ranges) live lane-dense in HBM
+([.., 1, rows]); the forward and dq turn them into columns once per query
+block, and dkv works on transposed scores [keys, rows] where they are
+already in place (so P^T dO and dS^T Q need no transpose).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +40,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 # A finite "minus infinity": exp(MASKED - m) is 0 and MASKED - MASKED is not NaN.
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-# The log-sum-exp stored for a row that sees no key: exp(s - EMPTY_LSE) is 0 in the backward.
-EMPTY_LSE = float(jnp.finfo(jnp.float32).max)
+# The log-sum-exp stored for a row that sees no key: exp(s - EMPTY_LSE) is 0 in the backward
+# (and EMPTY_LSE * log2(e) is still finite).
+EMPTY_LSE = 0.5 * float(jnp.finfo(jnp.float32).max)
+LOG2E = math.log2(math.e)
+LANES = 128
+UPPER, BOTH = "upper", "both"  # which ends of the rows' key ranges a block's mask compares  # a vreg's lanes: row statistics are kept replicated across them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,23 +71,44 @@ def _dot(a, b, contract_a: int, contract_b: int):
 
 
 def _scores(q, k, opts: Options):
-    """Scaled (and soft-capped) scores [rows, block_k] in f32, and tanh of the cap's argument."""
-    s = _dot(q, k, 1, 1) * opts.scale
+    """The scaled (and soft-capped) scores times log2(e) [rows, block_k] in f32, and tanh of the
+    cap's argument. The kernels' softmax runs in base 2: exp2 is what the EUP computes, so
+    folding log2(e) into the scale saves a multiply per score."""
+    raw = _dot(q, k, 1, 1)
     if opts.softcap:
-        t = jnp.tanh(s / opts.softcap)
-        return opts.softcap * t, t
-    return s, None
+        t = jnp.tanh(raw * (opts.scale / opts.softcap))
+        return (opts.softcap * LOG2E) * t, t
+    return raw * (opts.scale * LOG2E), None
 
 
-def _visible(lo_ref, hi_ref, first_key: jax.Array, block_k: int):
-    """[rows, block_k] bool: key `first_key + c` lies in its row's range."""
-    key = first_key + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    return (key >= lo_ref[...]) & (key <= hi_ref[...])
+def _visible(lo_cols, hi_cols, first_key: jax.Array, block_k: int, mask: str):
+    """[rows, block_k] bool: key `first_key + c` lies in its row's range ("upper": the
+    range's start is known to lie before the block, only its end is compared). lo_cols and
+    hi_cols: the rows' bounds as columns [rows, LANES] (`_as_columns`)."""
+    key = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], block_k), 1)
+    relative = lambda cols: _lanes(cols[...] - first_key, block_k)
+    below_end = key <= relative(hi_cols)
+    return below_end if mask == UPPER else below_end & (key >= relative(lo_cols))
 
 
-def _seen_whole(lo_max, hi_min, first_key, block_k):
-    """Whether every row of the query block sees every key of the key block."""
-    return (lo_max <= first_key) & (hi_min >= first_key + block_k - 1)
+def _visible_transposed(lo_ref, hi_ref, first_key: jax.Array, block_k: int, mask: str):
+    """_visible's transpose [block_k, rows], from the rows' bounds lo_ref and hi_ref [1, rows]."""
+    key = jax.lax.broadcasted_iota(jnp.int32, (block_k, lo_ref.shape[1]), 0)
+    below_end = key <= hi_ref[...] - first_key
+    return below_end if mask == UPPER else below_end & (key >= lo_ref[...] - first_key)
+
+
+def _as_columns(row):
+    """A per-row value held lane-dense [1, rows] as a column repeated over 128 lanes
+    [rows, LANES] (one transpose per block, on the XLU)."""
+    return jnp.broadcast_to(row, (LANES, row.shape[1])).T
+
+
+def _lanes(x, width: int):
+    """A row statistic held replicated over 128 lanes [rows, 128], as [rows, width]: whole vregs
+    repeated, not a lane broadcast per use."""
+    reps = -(-width // LANES)
+    return (jnp.tile(x, (1, reps)) if reps > 1 else x)[:, :width]
 
 
 # Every kernel's grid is (KV heads, steps): a step pairs one block of its own
@@ -101,11 +133,16 @@ def _clamped(start, count, step):
     return start + jnp.minimum(step, jnp.maximum(count - 1, 0))
 
 
-def _run_step(j, count, body_whole, body_masked, whole):
-    """Runs the step's body (without the mask where the block is seen whole) if it is in the run."""
+def _run_step(j, count, body, lo_max, hi_min, first_key, block_k: int):
+    """Runs the step's body if the step is in its run, with the least mask arithmetic the
+    block needs: body(None) where every row sees every key of the block, body(UPPER) where
+    every row's range starts before the block (the causal diagonal), body(BOTH) otherwise."""
     runs = j < count
-    pl.when(runs & whole)(body_whole)
-    pl.when(runs & jnp.logical_not(whole))(body_masked)
+    starts_before = lo_max <= first_key
+    ends_after = hi_min >= first_key + block_k - 1
+    pl.when(runs & starts_before & ends_after)(lambda: body(None))
+    pl.when(runs & starts_before & jnp.logical_not(ends_after))(lambda: body(UPPER))
+    pl.when(runs & jnp.logical_not(starts_before))(lambda: body(BOTH))
 
 
 def _prefetch(steps, run_start, run_count, schedule):
@@ -113,34 +150,44 @@ def _prefetch(steps, run_start, run_count, schedule):
 
 
 # Index maps: grid indices (h, p), then the six prefetched arrays.
-def _own_map(h, p, block, first, start, count, *_):
-    return h, block[p], 0
+def _own(p, block, *_):
+    return block[p]
 
 
-def _other_map(h, p, block, first, start, count, *_):
+def _other(p, block, first, start, count, *_):
     own = block[p]
-    return h, _clamped(start[own], count[own], p - first[own]), 0
+    return _clamped(start[own], count[own], p - first[own])
 
 
-def _own_rows_map(h, p, block, *_):
-    return block[p], 0
+def _own_map(h, p, *prefetched):
+    return h, _own(p, *prefetched), 0
 
 
-def _other_rows_map(h, p, block, first, start, count, *_):
-    own = block[p]
-    return _clamped(start[own], count[own], p - first[own]), 0
+def _other_map(h, p, *prefetched):
+    return h, _other(p, *prefetched), 0
+
+
+def _own_lanes_map(h, p, *prefetched):  # [Hkv, 1, rows] arrays: the block is on the lanes
+    return h, 0, _own(p, *prefetched)
+
+
+def _own_row_lanes_map(h, p, *prefetched):  # [1, rows]
+    return 0, _own(p, *prefetched)
+
+
+def _other_lanes_map(h, p, *prefetched):  # [Hkv, 1, rows] arrays: the block is on the lanes
+    return h, 0, _other(p, *prefetched)
+
+
+def _other_row_lanes_map(h, p, *prefetched):  # [1, rows]
+    return 0, _other(p, *prefetched)
+
+
+def _column_scratch(rows_per_block, *dtypes):
+    return [pltpu.VMEM((rows_per_block, LANES), dtype) for dtype in dtypes]
 
 
 _PARAMS = dict(dimension_semantics=("parallel", "arbitrary"))
-
-
-def _query_side_specs(rows_per_block, dv, block_map, rows_map):
-    """Specs of dO [rows, Dv], lse and D [rows, 1], row_lo and row_hi: the backward's per-query inputs."""
-    return [pl.BlockSpec((None, rows_per_block, dv), block_map),
-            pl.BlockSpec((None, rows_per_block, 1), block_map),
-            pl.BlockSpec((None, rows_per_block, 1), block_map),
-            pl.BlockSpec((rows_per_block, 1), rows_map),
-            pl.BlockSpec((rows_per_block, 1), rows_map)]
 
 
 # ---------------------------------------------------------------- forward
@@ -149,14 +196,16 @@ def _query_side_specs(rows_per_block, dv, block_map, rows_map):
 def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,  # scalar prefetch
                     q_ref, k_ref, v_ref, lo_ref, hi_ref, sink_ref,  # inputs
                     o_ref, lse_ref,  # outputs
-                    m_ref, l_ref, acc_ref,  # scratch
+                    m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
                     *, opts: Options, block_k: int):
     i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count)
 
     @pl.when(j == 0)
     def _init():
+        lo_cols[...] = _as_columns(lo_ref[...])
+        hi_cols[...] = _as_columns(hi_ref[...])
         if opts.has_sinks:
-            m_ref[...] = sink_ref[...]
+            m_ref[...] = jnp.broadcast_to(sink_ref[...] * LOG2E, m_ref.shape)
             l_ref[...] = jnp.ones_like(l_ref)
         else:
             m_ref[...] = jnp.full_like(m_ref, MASKED)
@@ -165,39 +214,42 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
 
     first_key = kv_block * block_k
 
-    def step(masked: bool):
+    def step(mask):
         s, _ = _scores(q_ref[...], k_ref[...], opts)
-        if masked:
-            visible = _visible(lo_ref, hi_ref, first_key, block_k)
-            s = jnp.where(visible, s, MASKED)
+        if mask:
+            s = jnp.where(_visible(lo_cols, hi_cols, first_key, block_k, mask), s, MASKED)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        if masked:
-            p = jnp.where(visible, p, 0.0)
-        alpha = jnp.exp(m_prev - m_new)
+        # A row that has seen no key yet (m_new still MASKED) gets p = 1 for its hidden keys here:
+        # the first key it sees scales them away (alpha = 0), and _finish zeroes a row that sees none.
+        p = jnp.exp2(s - _lanes(m_new, block_k))
+        alpha = jnp.exp2(m_prev - m_new)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         v = v_ref[...]
-        acc_ref[...] = alpha * acc_ref[...] + _dot(p.astype(v.dtype), v, 1, 0)
+        acc_ref[...] = _lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + _dot(p.astype(v.dtype), v, 1, 0)
         m_ref[...] = m_new
 
-    _run_step(j, count, lambda: step(False), lambda: step(True), _seen_whole(lo_max[i], hi_min[i], first_key, block_k))
+    _run_step(j, count, step, lo_max[i], hi_min[i], first_key, block_k)
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
-        l = l_ref[...]
-        seen = l > 0.0
-        o_ref[...] = (acc_ref[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), EMPTY_LSE)
+        m, l = m_ref[...], l_ref[...]
+        # A row saw a key or a sink; a NaN score (which a max may skip, a sum does not) is passed on.
+        seen = (m != MASKED) | jnp.isnan(l)
+        l = jnp.where(seen, l, 1.0)
+        out = acc_ref[...] / _lanes(l, acc_ref.shape[1])
+        o_ref[...] = jnp.where(_lanes(seen, acc_ref.shape[1]), out, 0.0).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) / LOG2E, EMPTY_LSE).T[:1]  # lane-dense [1, rows]
 
 
 def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, blocks: BlockSizes,
             vmem_limit: int | None, interpret):
-    """o [Hkv, T*G, Dv] in q's dtype and lse [Hkv, T*G, 1] f32.
+    """o [Hkv, T*G, Dv] in q's dtype and lse [Hkv, 1, T*G] f32.
 
     q [Hkv, Tq*G, D], k [Hkv, Tk, D], v [Hkv, Tk, Dv]; row_lo, row_hi
-    [Tq*G, 1] int32; sink_rows [Hkv, block_q*G, 1] f32; schedule: the
-    `ops.make_schedule` arrays.
+    [1, Tq*G] int32; sink_rows [Hkv, block_q*G, 1] f32; schedule: the
+    `ops.make_schedule` arrays. Per-row arrays are lane-dense [.., 1, rows]
+    in HBM (a [rows, 1] array would pad each value to 128 lanes).
     """
     hkv, rows, d = q.shape
     dv = v.shape[2]
@@ -206,7 +258,7 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
     steps = schedule.q_steps
     return pl.pallas_call(
         functools.partial(_forward_kernel, opts=opts, block_k=bk),
-        out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, rows, 1), jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, 1, rows), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(hkv, steps.count),
@@ -214,15 +266,16 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
                 pl.BlockSpec((None, rows_per_block, d), _own_map),
                 pl.BlockSpec((None, bk, d), _other_map),
                 pl.BlockSpec((None, bk, dv), _other_map),
-                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
-                pl.BlockSpec((rows_per_block, 1), _own_rows_map),
+                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),
+                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),
                 pl.BlockSpec((None, rows_per_block, 1), lambda h, *_: (h, 0, 0)),
             ],
             out_specs=[pl.BlockSpec((None, rows_per_block, dv), _own_map),
-                       pl.BlockSpec((None, rows_per_block, 1), _own_map)],
-            scratch_shapes=[pltpu.VMEM((rows_per_block, 1), jnp.float32),
-                            pltpu.VMEM((rows_per_block, 1), jnp.float32),
-                            pltpu.VMEM((rows_per_block, dv), jnp.float32)],
+                       pl.BlockSpec((None, 1, rows_per_block), _own_lanes_map)],
+            scratch_shapes=[pltpu.VMEM((rows_per_block, LANES), jnp.float32),  # m
+                            pltpu.VMEM((rows_per_block, LANES), jnp.float32),  # l
+                            pltpu.VMEM((rows_per_block, dv), jnp.float32),  # acc
+                            *_column_scratch(rows_per_block, jnp.int32, jnp.int32)],
         ),
         compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit),
         interpret=interpret,
@@ -233,47 +286,51 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
 # ---------------------------------------------------------------- backward
 
 
-def _probabilities(q, k, lse, visible, opts: Options):
-    """P = exp(s - lse) [rows, block_k] in f32 (0 where not visible), and tanh of the cap's argument."""
+def _probabilities(q, k, lse2, visible, opts: Options):
+    """P = exp(s - lse) [rows, block_k] in f32 (0 where not visible), and tanh of the cap's
+    argument. lse2: the log-sum-exp times log2(e)."""
     s, t = _scores(q, k, opts)
-    p = jnp.exp(s - lse)
+    p = jnp.exp2(s - lse2)
     return (p if visible is None else jnp.where(visible, p, 0.0)), t
 
 
 def _score_grad(p, dp, di, t, opts: Options):
-    """dL/d(q.k) for one block: softmax's backward, then the cap's, then the scale."""
+    """dL/d(q.k) for one block, less the softmax scale (dq and dk apply it once, at the end):
+    softmax's backward, then the cap's."""
     ds = p * (dp - di)
     if opts.softcap:
         ds = ds * (1.0 - t * t)
-    return ds * opts.scale
+    return ds
 
 
 def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                dq_ref,
-               acc_ref,
+               acc_ref, lse_cols, di_cols, lo_cols, hi_cols,
                *, opts: Options, block_k: int):
     i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count)
 
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
+        for cols, row in ((lse_cols, lse_ref), (di_cols, di_ref), (lo_cols, lo_ref), (hi_cols, hi_ref)):
+            cols[...] = _as_columns(row[...])
 
     first_key = kv_block * block_k
 
-    def step(masked: bool):
-        visible = _visible(lo_ref, hi_ref, first_key, block_k) if masked else None
+    def step(mask):
+        visible = _visible(lo_cols, hi_cols, first_key, block_k, mask) if mask else None
         k = k_ref[...]
-        p, t = _probabilities(q_ref[...], k, lse_ref[...], visible, opts)
+        p, t = _probabilities(q_ref[...], k, _lanes(lse_cols[...], block_k), visible, opts)
         dp = _dot(do_ref[...], v_ref[...], 1, 1)
-        ds = _score_grad(p, dp, di_ref[...], t, opts)
+        ds = _score_grad(p, dp, _lanes(di_cols[...], block_k), t, opts)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, 1, 0)
 
-    _run_step(j, count, lambda: step(False), lambda: step(True), _seen_whole(lo_max[i], hi_min[i], first_key, block_k))
+    _run_step(j, count, step, lo_max[i], hi_min[i], first_key, block_k)
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
-        dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+        dq_ref[...] = (acc_ref[...] * opts.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
@@ -281,6 +338,9 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
                 dk_ref, dv_ref,
                 dk_acc, dv_acc,
                 *, opts: Options, block_k: int):
+    """Works on the transposed scores [block_k, rows] (keys on sublanes, query rows on lanes):
+    dV += P^T dO and dK += dS^T Q then contract the rows with no transpose. The per-row
+    inputs lse, D, lo and hi come as [1, rows]."""
     j, i, q_block, count = _position(step_block, step_first, q_start, q_count)
 
     @pl.when(i == 0)
@@ -290,29 +350,31 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
 
     first_key = j * block_k
 
-    def step(masked: bool):
-        visible = _visible(lo_ref, hi_ref, first_key, block_k) if masked else None
+    def step(mask):
         q, do = q_ref[...], do_ref[...]
-        p, t = _probabilities(q, k_ref[...], lse_ref[...], visible, opts)
-        dv_acc[...] += _dot(p.astype(do.dtype), do, 0, 0)
-        dp = _dot(do, v_ref[...], 1, 1)
+        p, t = _probabilities(k_ref[...], q, lse_ref[...], None, opts)
+        if mask:
+            p = jnp.where(_visible_transposed(lo_ref, hi_ref, first_key, block_k, mask), p, 0.0)
+        dv_acc[...] += _dot(p.astype(do.dtype), do, 1, 0)
+        dp = _dot(v_ref[...], do, 1, 1)
         ds = _score_grad(p, dp, di_ref[...], t, opts)
-        dk_acc[...] += _dot(ds.astype(q.dtype), q, 0, 0)
+        dk_acc[...] += _dot(ds.astype(q.dtype), q, 1, 0)
 
-    whole = _seen_whole(lo_max[q_block], hi_min[q_block], first_key, block_k)
-    _run_step(i, count, lambda: step(False), lambda: step(True), whole)
+    _run_step(i, count, step, lo_max[q_block], hi_min[q_block], first_key, block_k)
 
     @pl.when(i == jnp.maximum(count, 1) - 1)
     def _finish():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dk_ref[...] = (dk_acc[...] * opts.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, blocks: BlockSizes,
              vmem_limit: int | None, interpret):
-    """(dq, dk, dv) in the inputs' layouts and dtypes. lse and di [Hkv, Tq*G, 1] f32."""
+    """(dq, dk, dv) in the inputs' layouts and dtypes. lse and di [Hkv, 1, Tq*G] f32, row_lo
+    and row_hi [1, Tq*G] int32."""
     hkv, rows, d = q.shape
     dv_dim = v.shape[2]
+    lse2 = lse * LOG2E  # the kernels' softmax is in base 2
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
     params = pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit)
@@ -329,15 +391,20 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
                 pl.BlockSpec((None, rows_per_block, d), _own_map),
                 pl.BlockSpec((None, bk, d), _other_map),
                 pl.BlockSpec((None, bk, dv_dim), _other_map),
-                *_query_side_specs(rows_per_block, dv_dim, _own_map, _own_rows_map),
+                pl.BlockSpec((None, rows_per_block, dv_dim), _own_map),  # dO
+                pl.BlockSpec((None, 1, rows_per_block), _own_lanes_map),  # lse
+                pl.BlockSpec((None, 1, rows_per_block), _own_lanes_map),  # D
+                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),  # row_lo
+                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),  # row_hi
             ],
             out_specs=pl.BlockSpec((None, rows_per_block, d), _own_map),
-            scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32),
+                            *_column_scratch(rows_per_block, jnp.float32, jnp.float32, jnp.int32, jnp.int32)],
         ),
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dq",
-    )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse, di, row_lo, row_hi)
+    )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse2, di, row_lo, row_hi)
 
     # dk, dv: per key block, the run of query blocks that see it.
     steps = schedule.k_steps
@@ -351,7 +418,11 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
                 pl.BlockSpec((None, bk, d), _own_map),
                 pl.BlockSpec((None, bk, dv_dim), _own_map),
                 pl.BlockSpec((None, rows_per_block, d), _other_map),
-                *_query_side_specs(rows_per_block, dv_dim, _other_map, _other_rows_map),
+                pl.BlockSpec((None, rows_per_block, dv_dim), _other_map),  # dO
+                pl.BlockSpec((None, 1, rows_per_block), _other_lanes_map),  # lse
+                pl.BlockSpec((None, 1, rows_per_block), _other_lanes_map),  # D
+                pl.BlockSpec((1, rows_per_block), _other_row_lanes_map),  # row_lo
+                pl.BlockSpec((1, rows_per_block), _other_row_lanes_map),  # row_hi
             ],
             out_specs=[pl.BlockSpec((None, bk, d), _own_map), pl.BlockSpec((None, bk, dv_dim), _own_map)],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32)],
@@ -359,5 +430,5 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dkv",
-    )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse, di, row_lo, row_hi)
+    )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse2, di, row_lo, row_hi)
     return dq, dk, dv

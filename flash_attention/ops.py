@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ._shared.generations import current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import BlockSizes, Options, backward, forward
-from .tuning import choose_blocks
+from .tuning import check_blocks, choose_blocks
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
 
@@ -154,13 +154,13 @@ def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
     num_q, num_k = round_up(q.shape[0], bq), round_up(k.shape[0], bk)
     lo, hi = token_ranges(cu_seqlens_q, cu_seqlens_k, num_q, k.shape[0], st.causal, st.left, st.right)
     schedule = make_schedule(lo, hi, bq, bk, num_k)
-    row_lo = jnp.repeat(lo, groups)[:, None]
-    row_hi = jnp.repeat(hi, groups)[:, None]
+    row_lo = jnp.repeat(lo, groups)[None, :]
+    row_hi = jnp.repeat(hi, groups)[None, :]
     return num_q, num_k, schedule, row_lo, row_hi
 
 
 def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    """(out [Tq, Hq, Dv], lse [Hkv, Tq_padded * G, 1] f32)."""
+    """(out [Tq, Hq, Dv], lse [Hkv, 1, Tq_padded * G] f32)."""
     groups = st.opts.groups
     num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
     hkv = k.shape[1]
@@ -178,7 +178,7 @@ def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st
     num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
     do_rows = _rows(grad_out.astype(q.dtype), groups, num_q)
     # D = rowsum(dO * O): the softmax backward's correction, in f32.
-    di = jnp.sum(do_rows.astype(jnp.float32) * _rows(out, groups, num_q).astype(jnp.float32), axis=2, keepdims=True)
+    di = jnp.sum(do_rows.astype(jnp.float32) * _rows(out, groups, num_q).astype(jnp.float32), axis=2)[:, None, :]
     dq, dk, dv = backward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows, lse, di,
                           row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
                           interpret=st.interpret)
@@ -217,7 +217,10 @@ def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks,
     generation = generation or current_generation().name
     interpret = default_interpret() if interpret is None else interpret
     groups = hq // hkv
-    blocks = blocks or choose_blocks(tq, k.shape[0], d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation)
+    if blocks is None:
+        blocks = choose_blocks(tq, k.shape[0], d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation)
+    elif interpret is False:  # interpret mode runs any block sizes (the tests' small ones)
+        check_blocks(blocks, groups)
     left, right = window_size
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
     return _Static(Options(scale=scale, softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
