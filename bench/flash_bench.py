@@ -78,7 +78,7 @@ def ours(shape: AttentionShape, tokens: int, generation: str):
     options = shape.kwargs
     has_sinks = options.pop("sinks", False)
     blocks = tuning.choose_blocks(tokens, tokens, shape.head_dim, shape.head_dim, shape.q_heads // shape.kv_heads, 2,
-                                  generation)
+                                  generation, window=options.get("window_size", (-1, 0))[0])
 
     def fn(q, k, v, sinks):
         return ops.flash_attention_varlen(q, k, v, cu, cu, causal=True, sinks=sinks if has_sinks else None,

@@ -217,11 +217,13 @@ def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks,
     generation = generation or current_generation().name
     interpret = default_interpret() if interpret is None else interpret
     groups = hq // hkv
+    left, right = window_size
     if blocks is None:
-        blocks = choose_blocks(tq, k.shape[0], d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation)
+        bounded = left >= 0 and (causal or right >= 0)  # the keys a query sees form a window
+        blocks = choose_blocks(tq, k.shape[0], d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation,
+                               window=left + max(right, 0) if bounded else -1)
     elif interpret is False:  # interpret mode runs any block sizes (the tests' small ones)
         check_blocks(blocks, groups)
-    left, right = window_size
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
     return _Static(Options(scale=scale, softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
                    blocks, bool(causal), int(left), int(right), None, interpret)
