@@ -335,13 +335,23 @@ def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,
 
 def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
                 k_ref, v_ref, q_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
-                dk_ref, dv_ref,
-                dk_acc, dv_acc,
-                *, opts: Options, block_k: int):
+                dk_ref, dv_ref, *rest,
+                opts: Options, block_k: int, fuse_dq: bool):
     """Works on the transposed scores [block_k, rows] (keys on sublanes, query rows on lanes):
     dV += P^T dO and dK += dS^T Q then contract the rows with no transpose. The per-row
-    inputs lse, D, lo and hi come as [1, rows]."""
+    inputs lse, D, lo and hi come as [1, rows]. With fuse_dq, it also adds dS K into an f32
+    dq of all the KV head's rows, resident in VMEM from the head's first step to its last."""
+    if fuse_dq:
+        dq_ref, dk_acc, dv_acc, dq_acc = rest
+    else:
+        dk_acc, dv_acc = rest
     j, i, q_block, count = _position(step_block, step_first, q_start, q_count)
+    rows = q_ref.shape[0]
+
+    if fuse_dq:
+        @pl.when(pl.program_id(1) == 0)
+        def _init_dq():
+            dq_acc[...] = jnp.zeros_like(dq_acc)
 
     @pl.when(i == 0)
     def _init():
@@ -359,8 +369,17 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
         dp = _dot(v_ref[...], do, 1, 1)
         ds = _score_grad(p, dp, di_ref[...], t, opts)
         dk_acc[...] += _dot(ds.astype(q.dtype), q, 1, 0)
+        if fuse_dq:
+            k = k_ref[...]
+            at = pl.ds(pl.multiple_of(q_block * rows, LANES), rows)
+            dq_acc[at, :] += _dot(ds.astype(k.dtype), k, 0, 0)
 
     _run_step(i, count, step, lo_max[q_block], hi_min[q_block], first_key, block_k)
+
+    if fuse_dq:
+        @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+        def _finish_dq():
+            dq_ref[...] = (dq_acc[...] * opts.scale).astype(dq_ref.dtype)
 
     @pl.when(i == jnp.maximum(count, 1) - 1)
     def _finish():
@@ -369,9 +388,13 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
 
 
 def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, blocks: BlockSizes,
-             vmem_limit: int | None, interpret):
+             vmem_limit: int | None, fused_dq_vmem_limit: int | None, interpret):
     """(dq, dk, dv) in the inputs' layouts and dtypes. lse and di [Hkv, 1, Tq*G] f32, row_lo
-    and row_hi [1, Tq*G] int32."""
+    and row_hi [1, Tq*G] int32.
+
+    fused_dq_vmem_limit: where a KV head's whole dq fits in VMEM, the dkv kernel accumulates
+    it there too (dS^T's transpose times K: one matmul per step, where a separate dq kernel
+    recomputes S and dP, three), under this VMEM limit; None runs the separate dq kernel."""
     hkv, rows, d = q.shape
     dv_dim = v.shape[2]
     lse2 = lse * LOG2E  # the kernels' softmax is in base 2
@@ -381,7 +404,8 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
 
     # dq: per query block, its run of key blocks.
     steps = schedule.q_steps
-    dq = pl.pallas_call(
+    fuse_dq = fused_dq_vmem_limit is not None
+    dq = None if fuse_dq else pl.pallas_call(
         functools.partial(_dq_kernel, opts=opts, block_k=bk),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -408,9 +432,10 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
 
     # dk, dv: per key block, the run of query blocks that see it.
     steps = schedule.k_steps
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, block_k=bk),
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+    dk_dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, opts=opts, block_k=bk, fuse_dq=fuse_dq),
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   *([jax.ShapeDtypeStruct(q.shape, q.dtype)] if fuse_dq else [])),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(hkv, steps.count),
@@ -424,11 +449,17 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
                 pl.BlockSpec((1, rows_per_block), _other_row_lanes_map),  # row_lo
                 pl.BlockSpec((1, rows_per_block), _other_row_lanes_map),  # row_hi
             ],
-            out_specs=[pl.BlockSpec((None, bk, d), _own_map), pl.BlockSpec((None, bk, dv_dim), _own_map)],
-            scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32)],
+            out_specs=[pl.BlockSpec((None, bk, d), _own_map), pl.BlockSpec((None, bk, dv_dim), _own_map),
+                       *([pl.BlockSpec((None, rows, d), lambda h, *_: (h, 0, 0))] if fuse_dq else [])],
+            scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32),
+                            *([pltpu.VMEM((rows, d), jnp.float32)] if fuse_dq else [])],
         ),
-        compiler_params=params,
+        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=fused_dq_vmem_limit or vmem_limit),
         interpret=interpret,
         name="flash_attention_dkv",
     )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse2, di, row_lo, row_hi)
+    if fuse_dq:
+        dk, dv, dq = dk_dv
+    else:
+        dk, dv = dk_dv
     return dq, dk, dv

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ._shared.generations import current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import BlockSizes, Options, backward, forward
-from .tuning import check_blocks, choose_blocks
+from .tuning import check_blocks, choose_blocks, fused_dq_vmem_limit
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
 
@@ -128,6 +128,7 @@ class _Static:
     left: int
     right: int
     vmem_limit: int | None
+    fused_dq_vmem_limit: int | None  # see kernel.backward
     interpret: object
 
 
@@ -181,6 +182,7 @@ def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st
     di = jnp.sum(do_rows.astype(jnp.float32) * _rows(out, groups, num_q).astype(jnp.float32), axis=2)[:, None, :]
     dq, dk, dv = backward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows, lse, di,
                           row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
+                          fused_dq_vmem_limit=st.fused_dq_vmem_limit,
                           interpret=st.interpret)
     dk = dk.transpose(1, 0, 2)[: k.shape[0]]
     dv = dv.transpose(1, 0, 2)[: v.shape[0]]
@@ -225,8 +227,10 @@ def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks,
     elif interpret is False:  # interpret mode runs any block sizes (the tests' small ones)
         check_blocks(blocks, groups)
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
+    rows = round_up(tq, blocks.block_q) * groups
+    fused = fused_dq_vmem_limit(rows, d, v.shape[2], jnp.dtype(q.dtype).itemsize, blocks, groups, generation)
     return _Static(Options(scale=scale, softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
-                   blocks, bool(causal), int(left), int(right), None, interpret)
+                   blocks, bool(causal), int(left), int(right), None, fused, interpret)
 
 
 def _offsets_valid(q, k, cu_seqlens_q, cu_seqlens_k):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from ._shared.generations import GENERATIONS
 from ._shared.tuning import round_up
 from .kernel import LANES, BlockSizes
 
@@ -32,6 +33,8 @@ K_ALIGN = 128  # keys are the scores' lanes
 # The kernels get one int32 per (query block, key block) pair through scalar prefetch (ops.Steps);
 # SMEM holds 1 MiB: a quarter of it at most.
 MAX_STEPS = 65536
+# The share of a core's VMEM the backward may fill to keep a KV head's dq resident (fused_dq_vmem_limit).
+FUSED_DQ_FRACTION = 0.75
 
 
 def query_align(groups: int) -> int:
@@ -46,6 +49,20 @@ def check_blocks(blocks: BlockSizes, groups: int) -> None:
     if blocks.block_q % query_align(groups) or blocks.block_k % K_ALIGN:
         raise ValueError(f"{blocks} does not compile on a TPU with {groups} query heads per KV head: block_q must be "
                          f"a multiple of {query_align(groups)}, block_k of {K_ALIGN}")
+
+
+def fused_dq_vmem_limit(rows: int, head_dim: int, value_dim: int, itemsize: int, blocks: BlockSizes, groups: int,
+                        generation: str) -> int | None:
+    """The VMEM limit under which the dkv kernel also accumulates dq (kernel.backward), or None
+    where a KV head's dq does not fit in FUSED_DQ_FRACTION of the chip's VMEM: its f32
+    accumulator and its output block (double-buffered), next to a generous estimate of dkv's
+    own use (a few f32 score blocks, its double-buffered input blocks, its accumulators)."""
+    rows_per_block, keys = blocks.block_q * groups, blocks.block_k
+    dq = rows * head_dim * (4 + 2 * itemsize)
+    own = (3 * rows_per_block * keys * 4 + 2 * (rows_per_block + keys) * (head_dim + value_dim) * itemsize
+           + keys * (head_dim + value_dim) * 4)
+    vmem = GENERATIONS[generation].vmem_bytes
+    return int(0.9 * vmem) if dq + own <= FUSED_DQ_FRACTION * vmem else None
 
 
 def choose_blocks(num_q: int, num_k: int, head_dim: int, value_dim: int, groups: int, itemsize: int,

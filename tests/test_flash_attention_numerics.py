@@ -9,7 +9,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_attention import ops, reference
+from flash_attention import ops, reference, tuning
 from flash_attention.kernel import BlockSizes
 
 # Small blocks, so a few hundred tokens span several query and key blocks.
@@ -55,6 +55,18 @@ def _max_error(a, b):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_forward_and_gradients_match_the_reference_in_fp32(case):
+    """With the dkv kernel accumulating dq (the small shapes fit VMEM)."""
+    _check_fp32(case)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c[0])
+def test_gradients_with_the_separate_dq_kernel(case, monkeypatch):
+    """Where a KV head's dq does not fit VMEM (long sequences), a dq kernel of its own."""
+    monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
+    _check_fp32(case)
+
+
+def _check_fp32(case):
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
     out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, **options)
     expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
