@@ -93,7 +93,7 @@ def ours(shape: AttentionShape, tokens: int, generation: str):
 # compiles. Every anchor takes [B, S, H, D] here (B = 1) and runs causal attention scaled by
 # 1/sqrt(D); what an anchor cannot do (GQA, sinks, windows, softcap, a backward) is n/a, or
 # for GQA done its way (repeated K and V for the MHA-only kernels, a copy it pays for).
-SWEEP = ((128, 128), (512, 512), (1024, 512))  # (query block, key block)
+SWEEP = ((128, 128), (512, 512), (1024, 512), (1024, 1024))  # (query block, key block)
 
 
 def _repeat_kv(q, x):
