@@ -400,7 +400,6 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
     lse2 = lse * LOG2E  # the kernels' softmax is in base 2
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
-    params = pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit)
 
     # dq: per query block, its run of key blocks.
     steps = schedule.q_steps
@@ -425,14 +424,14 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
             scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32),
                             *_column_scratch(rows_per_block, jnp.float32, jnp.float32, jnp.int32, jnp.int32)],
         ),
-        compiler_params=params,
+        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="flash_attention_dq",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse2, di, row_lo, row_hi)
 
     # dk, dv: per key block, the run of query blocks that see it.
     steps = schedule.k_steps
-    dk_dv = pl.pallas_call(
+    dk, dv, *fused_dq = pl.pallas_call(
         functools.partial(_dkv_kernel, opts=opts, block_k=bk, fuse_dq=fuse_dq),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                    *([jax.ShapeDtypeStruct(q.shape, q.dtype)] if fuse_dq else [])),
@@ -458,8 +457,4 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
         interpret=interpret,
         name="flash_attention_dkv",
     )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse2, di, row_lo, row_hi)
-    if fuse_dq:
-        dk, dv, dq = dk_dv
-    else:
-        dk, dv = dk_dv
-    return dq, dk, dv
+    return (fused_dq[0] if fuse_dq else dq), dk, dv
