@@ -9,7 +9,7 @@ rows by a key block about the window's width (blocks past the window are
 wasted work). Never more than the padded sequence needs, and grown until
 the grid's step list fits its SMEM budget.
 
-Modeled on v6e, fwd+bwd at 8k tokens: Llama-3-8B (G=4) 2048x512 7.75 ms
+Modeled on v6e, fwd+bwd at 8k tokens, with the separate dq kernel: Llama-3-8B (G=4) 2048x512 7.75 ms
 against 512x512 10.1 ms; Llama-2-7B (MHA) 1024x1024 8.5 ms against 512x512
 10.6 ms; gpt-oss-20b's window of 128, 1024 rows x 128 keys 2.8 ms against
 1024x512 3.8 ms.
