@@ -38,8 +38,9 @@ import numpy as np
 from jax._src.pallas import core as pallas_core
 from jax._src.state.discharge import discharge_state
 
+# remat_opt: a custom_vjp with optimize_remat (tokamax's attention) runs its forward as `fwd_jaxpr`.
 CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
-                   "custom_vmap_call"}
+                   "custom_vmap_call", "remat_opt"}
 
 
 @dataclasses.dataclass
@@ -65,7 +66,7 @@ class KernelCost:
 
 
 def _sub_jaxpr(eqn):
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "call"):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "call", "fwd_jaxpr"):
         value = eqn.params.get(key)
         if isinstance(value, jcore.ClosedJaxpr):
             return value
