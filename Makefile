@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test build bench tune check-tuned publish venv clean
+.PHONY: demo test build bench bench-flash tune tune-flash check-tuned publish venv clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -35,11 +35,18 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/calibration.py measured
 	$(PY) bench/headline.py
 
+bench-flash: $(BENCH_STAMP)
+	$(PY) bench/flash_bench.py $(BENCH_ARGS)
+
+tune-flash: $(STAMP)
+	$(PY) bench/flash_tune.py $(TUNE_ARGS)
+
 tune: $(STAMP)
 	$(PY) bench/tune.py $(TUNE_ARGS)
 
 check-tuned: $(STAMP)
 	RAGGED_DOT_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_tuned_blocks.py -q
+	FLASH_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_flash_attention_tpu.py -q -k tuned_entry
 
 publish: $(STAMP)
 	$(PY) kernels/publish.py $(PUBLISH_ARGS)

@@ -44,8 +44,8 @@ MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # (and EMPTY_LSE * log2(e) is still finite).
 EMPTY_LSE = 0.5 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
-LANES = 128
-UPPER, BOTH = "upper", "both"  # which ends of the rows' key ranges a block's mask compares  # a vreg's lanes: row statistics are kept replicated across them
+LANES = 128  # a vreg's lanes: row statistics are kept replicated across them
+UPPER, BOTH = "upper", "both"  # which ends of the rows' key ranges a block's mask compares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,18 +111,35 @@ def _lanes(x, width: int):
     return (jnp.tile(x, (1, reps)) if reps > 1 else x)[:, :width]
 
 
-# Every kernel's grid is (KV heads, steps): a step pairs one block of its own
-# side with one block of the other side it meets (`ops.Steps`), and the steps
+# Every kernel's grid is (KV heads x parts, steps): a step pairs one block of its
+# own side with one block of the other side it meets (`ops.Steps`), and the steps
 # of one own-side block are consecutive, so its accumulators live in VMEM
 # scratch from its first step to its last. Scalar prefetch, in this order:
 # the steps' own-side block and each block's first step, then the other
 # side's run (start, length) per own-side block, then lo_max and hi_min per
 # query block.
+#
+# parts: 1, or 2 where a megacore's two cores would not get the same number of
+# KV heads (MQA, an odd Hkv). Then each KV head's own-side blocks are cut in two
+# runs of about as many steps, one per row of the grid's parallel axis: the step
+# arrays hold the second part's steps from their middle on, and the shorter part
+# idles past its end (its step is past its block's run: no DMA, compute or write).
 
 
-def _position(step_block, step_first, run_start, run_count):
+def parts_for(parts: int, own_blocks: int) -> int:
+    """A kernel with one own-side block runs it whole: an empty part would still write its
+    output block back, over the other part's."""
+    return parts if own_blocks > 1 else 1
+
+
+def _global_step(h, p, step_block, parts: int):
+    """Where grid step (h, p) is in the step arrays."""
+    return (h % parts) * (step_block.shape[0] // parts) + p if parts > 1 else p
+
+
+def _position(step_block, step_first, run_start, run_count, parts: int):
     """(own block, step within its run, the other side's block, the run's length) of this grid step."""
-    p = pl.program_id(1)
+    p = _global_step(pl.program_id(0), pl.program_id(1), step_block, parts)
     own = step_block[p]
     j = p - step_first[own]
     return own, j, _clamped(run_start[own], run_count[own], j), run_count[own]
@@ -149,38 +166,43 @@ def _prefetch(steps, run_start, run_count, schedule):
     return steps.block, steps.first, run_start, run_count, schedule.lo_max, schedule.hi_min
 
 
-# Index maps: grid indices (h, p), then the six prefetched arrays.
-def _own(p, block, *_):
-    return block[p]
+@dataclasses.dataclass(frozen=True)
+class _Maps:
+    """Index maps of a grid of `parts` per KV head: grid indices (h, p), then the six
+    prefetched arrays."""
+    parts: int
 
+    def head(self, h, *_):
+        return h // self.parts
 
-def _other(p, block, first, start, count, *_):
-    own = block[p]
-    return _clamped(start[own], count[own], p - first[own])
+    def _own(self, h, p, block, *_):
+        return block[_global_step(h, p, block, self.parts)]
 
+    def _other(self, h, p, block, first, start, count, *_):
+        g = _global_step(h, p, block, self.parts)
+        own = block[g]
+        return _clamped(start[own], count[own], g - first[own])
 
-def _own_map(h, p, *prefetched):
-    return h, _own(p, *prefetched), 0
+    def own(self, h, p, *prefetched):
+        return self.head(h), self._own(h, p, *prefetched), 0
 
+    def other(self, h, p, *prefetched):
+        return self.head(h), self._other(h, p, *prefetched), 0
 
-def _other_map(h, p, *prefetched):
-    return h, _other(p, *prefetched), 0
+    def own_lanes(self, h, p, *prefetched):  # [Hkv, 1, rows] arrays: the block is on the lanes
+        return self.head(h), 0, self._own(h, p, *prefetched)
 
+    def own_row_lanes(self, h, p, *prefetched):  # [1, rows]
+        return 0, self._own(h, p, *prefetched)
 
-def _own_lanes_map(h, p, *prefetched):  # [Hkv, 1, rows] arrays: the block is on the lanes
-    return h, 0, _own(p, *prefetched)
+    def other_lanes(self, h, p, *prefetched):  # [Hkv, 1, rows] arrays: the block is on the lanes
+        return self.head(h), 0, self._other(h, p, *prefetched)
 
+    def other_row_lanes(self, h, p, *prefetched):  # [1, rows]
+        return 0, self._other(h, p, *prefetched)
 
-def _own_row_lanes_map(h, p, *prefetched):  # [1, rows]
-    return 0, _own(p, *prefetched)
-
-
-def _other_lanes_map(h, p, *prefetched):  # [Hkv, 1, rows] arrays: the block is on the lanes
-    return h, 0, _other(p, *prefetched)
-
-
-def _other_row_lanes_map(h, p, *prefetched):  # [1, rows]
-    return 0, _other(p, *prefetched)
+    def whole_head(self, h, *_):
+        return self.head(h), 0, 0
 
 
 def _column_scratch(rows_per_block, *dtypes):
@@ -197,8 +219,8 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
                     q_ref, k_ref, v_ref, lo_ref, hi_ref, sink_ref,  # inputs
                     o_ref, lse_ref,  # outputs
                     m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
-                    *, opts: Options, block_k: int):
-    i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count)
+                    *, opts: Options, block_k: int, parts: int):
+    i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count, parts)
 
     @pl.when(j == 0)
     def _init():
@@ -242,8 +264,8 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
         lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) / LOG2E, EMPTY_LSE).T[:1]  # lane-dense [1, rows]
 
 
-def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, blocks: BlockSizes,
-            vmem_limit: int | None, interpret):
+def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, blocks: BlockSizes, parts: int,
+            interpret):
     """o [Hkv, T*G, Dv] in q's dtype and lse [Hkv, 1, T*G] f32.
 
     q [Hkv, Tq*G, D], k [Hkv, Tk, D], v [Hkv, Tk, Dv]; row_lo, row_hi
@@ -256,28 +278,28 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
     steps = schedule.q_steps
+    maps = _Maps(parts_for(parts, rows // rows_per_block))
     return pl.pallas_call(
-        functools.partial(_forward_kernel, opts=opts, block_k=bk),
+        functools.partial(_forward_kernel, opts=opts, block_k=bk, parts=maps.parts),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, 1, rows), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(hkv, steps.count),
+            grid=(hkv * maps.parts, steps.count),
             in_specs=[
-                pl.BlockSpec((None, rows_per_block, d), _own_map),
-                pl.BlockSpec((None, bk, d), _other_map),
-                pl.BlockSpec((None, bk, dv), _other_map),
-                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),
-                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),
-                pl.BlockSpec((None, rows_per_block, 1), lambda h, *_: (h, 0, 0)),
+                pl.BlockSpec((None, rows_per_block, d), maps.own),
+                pl.BlockSpec((None, bk, d), maps.other),
+                pl.BlockSpec((None, bk, dv), maps.other),
+                pl.BlockSpec((1, rows_per_block), maps.own_row_lanes),
+                pl.BlockSpec((1, rows_per_block), maps.own_row_lanes),
+                pl.BlockSpec((None, rows_per_block, 1), maps.whole_head),
             ],
-            out_specs=[pl.BlockSpec((None, rows_per_block, dv), _own_map),
-                       pl.BlockSpec((None, 1, rows_per_block), _own_lanes_map)],
-            scratch_shapes=[pltpu.VMEM((rows_per_block, LANES), jnp.float32),  # m
-                            pltpu.VMEM((rows_per_block, LANES), jnp.float32),  # l
+            out_specs=[pl.BlockSpec((None, rows_per_block, dv), maps.own),
+                       pl.BlockSpec((None, 1, rows_per_block), maps.own_lanes)],
+            scratch_shapes=[*_column_scratch(rows_per_block, jnp.float32, jnp.float32),  # m, l
                             pltpu.VMEM((rows_per_block, dv), jnp.float32),  # acc
-                            *_column_scratch(rows_per_block, jnp.int32, jnp.int32)],
+                            *_column_scratch(rows_per_block, jnp.int32, jnp.int32)],  # lo, hi
         ),
-        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit),
+        compiler_params=pltpu.CompilerParams(**_PARAMS),
         interpret=interpret,
         name="flash_attention_fwd",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, row_lo, row_hi, sink_rows)
@@ -307,8 +329,8 @@ def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                dq_ref,
                acc_ref, lse_cols, di_cols, lo_cols, hi_cols,
-               *, opts: Options, block_k: int):
-    i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count)
+               *, opts: Options, block_k: int, parts: int):
+    i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count, parts)
 
     @pl.when(j == 0)
     def _init():
@@ -336,7 +358,7 @@ def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,
 def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
                 k_ref, v_ref, q_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                 dk_ref, dv_ref, *rest,
-                opts: Options, block_k: int, fuse_dq: bool):
+                opts: Options, block_k: int, parts: int, fuse_dq: bool):
     """Works on the transposed scores [block_k, rows] (keys on sublanes, query rows on lanes):
     dV += P^T dO and dK += dS^T Q then contract the rows with no transpose. The per-row
     inputs lse, D, lo and hi come as [1, rows]. With fuse_dq, it also adds dS K into an f32
@@ -345,7 +367,7 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
         dq_ref, dk_acc, dv_acc, dq_acc = rest
     else:
         dk_acc, dv_acc = rest
-    j, i, q_block, count = _position(step_block, step_first, q_start, q_count)
+    j, i, q_block, count = _position(step_block, step_first, q_start, q_count, parts)
     rows = q_ref.shape[0]
 
     if fuse_dq:
@@ -362,9 +384,8 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
 
     def step(mask):
         q, do = q_ref[...], do_ref[...]
-        p, t = _probabilities(k_ref[...], q, lse_ref[...], None, opts)
-        if mask:
-            p = jnp.where(_visible_transposed(lo_ref, hi_ref, first_key, block_k, mask), p, 0.0)
+        visible = _visible_transposed(lo_ref, hi_ref, first_key, block_k, mask) if mask else None
+        p, t = _probabilities(k_ref[...], q, lse_ref[...], visible, opts)
         dv_acc[...] += _dot(p.astype(do.dtype), do, 1, 0)
         dp = _dot(v_ref[...], do, 1, 1)
         ds = _score_grad(p, dp, di_ref[...], t, opts)
@@ -387,73 +408,78 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, blocks: BlockSizes,
-             vmem_limit: int | None, fused_dq_vmem_limit: int | None, interpret):
+def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, blocks: BlockSizes, parts: int,
+             fused_dq_vmem_limit: int | None, interpret):
     """(dq, dk, dv) in the inputs' layouts and dtypes. lse and di [Hkv, 1, Tq*G] f32, row_lo
     and row_hi [1, Tq*G] int32.
 
     fused_dq_vmem_limit: where a KV head's whole dq fits in VMEM, the dkv kernel accumulates
     it there too (dS^T's transpose times K: one matmul per step, where a separate dq kernel
-    recomputes S and dP, three), under this VMEM limit; None runs the separate dq kernel."""
+    recomputes S and dP, three), under this VMEM limit; None runs the separate dq kernel. With
+    parts = 2 dq is never fused: each part would hold a partial dq of the whole head."""
+    if parts > 1 and fused_dq_vmem_limit is not None:
+        raise ValueError("a KV head split in parts cannot accumulate its dq in one VMEM buffer")
     hkv, rows, d = q.shape
     dv_dim = v.shape[2]
     lse2 = lse * LOG2E  # the kernels' softmax is in base 2
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
+    maps = _Maps(parts_for(parts, rows // rows_per_block))
 
     # dq: per query block, its run of key blocks.
     steps = schedule.q_steps
     fuse_dq = fused_dq_vmem_limit is not None
     dq = None if fuse_dq else pl.pallas_call(
-        functools.partial(_dq_kernel, opts=opts, block_k=bk),
+        functools.partial(_dq_kernel, opts=opts, block_k=bk, parts=maps.parts),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(hkv, steps.count),
+            grid=(hkv * maps.parts, steps.count),
             in_specs=[
-                pl.BlockSpec((None, rows_per_block, d), _own_map),
-                pl.BlockSpec((None, bk, d), _other_map),
-                pl.BlockSpec((None, bk, dv_dim), _other_map),
-                pl.BlockSpec((None, rows_per_block, dv_dim), _own_map),  # dO
-                pl.BlockSpec((None, 1, rows_per_block), _own_lanes_map),  # lse
-                pl.BlockSpec((None, 1, rows_per_block), _own_lanes_map),  # D
-                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),  # row_lo
-                pl.BlockSpec((1, rows_per_block), _own_row_lanes_map),  # row_hi
+                pl.BlockSpec((None, rows_per_block, d), maps.own),
+                pl.BlockSpec((None, bk, d), maps.other),
+                pl.BlockSpec((None, bk, dv_dim), maps.other),
+                pl.BlockSpec((None, rows_per_block, dv_dim), maps.own),  # dO
+                pl.BlockSpec((None, 1, rows_per_block), maps.own_lanes),  # lse
+                pl.BlockSpec((None, 1, rows_per_block), maps.own_lanes),  # D
+                pl.BlockSpec((1, rows_per_block), maps.own_row_lanes),  # row_lo
+                pl.BlockSpec((1, rows_per_block), maps.own_row_lanes),  # row_hi
             ],
-            out_specs=pl.BlockSpec((None, rows_per_block, d), _own_map),
+            out_specs=pl.BlockSpec((None, rows_per_block, d), maps.own),
             scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32),
                             *_column_scratch(rows_per_block, jnp.float32, jnp.float32, jnp.int32, jnp.int32)],
         ),
-        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=vmem_limit),
+        compiler_params=pltpu.CompilerParams(**_PARAMS),
         interpret=interpret,
         name="flash_attention_dq",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse2, di, row_lo, row_hi)
 
     # dk, dv: per key block, the run of query blocks that see it.
     steps = schedule.k_steps
+    maps = _Maps(parts_for(parts, k.shape[1] // bk))
     dk, dv, *fused_dq = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, block_k=bk, fuse_dq=fuse_dq),
+        functools.partial(_dkv_kernel, opts=opts, block_k=bk, parts=maps.parts, fuse_dq=fuse_dq),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                    *([jax.ShapeDtypeStruct(q.shape, q.dtype)] if fuse_dq else [])),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(hkv, steps.count),
+            grid=(hkv * maps.parts, steps.count),
             in_specs=[
-                pl.BlockSpec((None, bk, d), _own_map),
-                pl.BlockSpec((None, bk, dv_dim), _own_map),
-                pl.BlockSpec((None, rows_per_block, d), _other_map),
-                pl.BlockSpec((None, rows_per_block, dv_dim), _other_map),  # dO
-                pl.BlockSpec((None, 1, rows_per_block), _other_lanes_map),  # lse
-                pl.BlockSpec((None, 1, rows_per_block), _other_lanes_map),  # D
-                pl.BlockSpec((1, rows_per_block), _other_row_lanes_map),  # row_lo
-                pl.BlockSpec((1, rows_per_block), _other_row_lanes_map),  # row_hi
+                pl.BlockSpec((None, bk, d), maps.own),
+                pl.BlockSpec((None, bk, dv_dim), maps.own),
+                pl.BlockSpec((None, rows_per_block, d), maps.other),
+                pl.BlockSpec((None, rows_per_block, dv_dim), maps.other),  # dO
+                pl.BlockSpec((None, 1, rows_per_block), maps.other_lanes),  # lse
+                pl.BlockSpec((None, 1, rows_per_block), maps.other_lanes),  # D
+                pl.BlockSpec((1, rows_per_block), maps.other_row_lanes),  # row_lo
+                pl.BlockSpec((1, rows_per_block), maps.other_row_lanes),  # row_hi
             ],
-            out_specs=[pl.BlockSpec((None, bk, d), _own_map), pl.BlockSpec((None, bk, dv_dim), _own_map),
-                       *([pl.BlockSpec((None, rows, d), lambda h, *_: (h, 0, 0))] if fuse_dq else [])],
+            out_specs=[pl.BlockSpec((None, bk, d), maps.own), pl.BlockSpec((None, bk, dv_dim), maps.own),
+                       *([pl.BlockSpec((None, rows, d), maps.whole_head)] if fuse_dq else [])],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32),
                             *([pltpu.VMEM((rows, d), jnp.float32)] if fuse_dq else [])],
         ),
-        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=fused_dq_vmem_limit or vmem_limit),
+        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=fused_dq_vmem_limit),
         interpret=interpret,
         name="flash_attention_dkv",
     )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse2, di, row_lo, row_hi)

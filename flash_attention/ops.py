@@ -3,9 +3,11 @@
 `flash_attention_varlen` attends over sequences packed back to back
 (`cu_seqlens`, the flash-attn convention); `flash_attention` over a dense
 batch. Both are differentiable in q, k, v and the sinks (`jax.custom_vjp`):
-the backward is two more Pallas kernels, one for dq and one for dk and dv,
-each with an axis of independent blocks besides the heads, so a v5p
-megacore splits either over its two cores.
+the backward is one more Pallas kernel for dk and dv (which also
+accumulates dq where a KV head's dq fits in VMEM), or two with a separate dq
+kernel. A v5p megacore splits every kernel over its two cores: by KV head, or
+where the KV heads do not split evenly (MQA, an odd count) each head's grid
+steps in two halves (kernel.py).
 
 Semantics (flash-attn 2's): a sequence's queries are its last positions
 (causal masks are aligned to the bottom right when it has fewer queries than
@@ -24,10 +26,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ._shared.generations import current_generation, default_interpret
+from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
-from .kernel import BlockSizes, Options, backward, forward
-from .tuning import check_blocks, choose_blocks, fused_dq_vmem_limit
+from .kernel import BlockSizes, Options, backward, forward, parts_for
+from .tuning import check_blocks, choose_blocks, fused_dq_vmem_limit, window_span
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
 
@@ -39,9 +41,9 @@ class Steps:
     for the forward and dq, key blocks for dkv) gets the run of blocks of the
     other side it meets, one step each, and one step even when the run is
     empty (to write its zeros). Only steps that meet are on the grid."""
-    block: jax.Array  # [max steps] the block (of this side) each step serves; past `count`, the last one
+    block: jax.Array  # [parts * max steps] the block (of this side) each step serves; past a part's end, its last
     first: jax.Array  # [blocks] the first step of each block
-    count: jax.Array  # () the steps on the grid: sum over blocks of max(run length, 1)
+    count: jax.Array  # () the grid's steps per part: sum over the part's blocks of max(run length, 1)
 
 
 @jax.tree_util.register_dataclass
@@ -58,12 +60,22 @@ class Schedule:
     k_steps: Steps  # dkv's grid: per key block, its query blocks
 
 
-def _steps(run_lengths: jax.Array, max_steps: int) -> Steps:
+def _steps(run_lengths: jax.Array, max_steps: int, parts: int) -> Steps:
+    """parts = 2: the blocks cut in two runs of about as many steps, the second's steps from
+    position max_steps on, and `count` the longer run's (see kernel.py's grid)."""
     steps = jnp.maximum(run_lengths, 1)
-    first = (jnp.cumsum(steps) - steps).astype(jnp.int32)
-    step = jnp.arange(max_steps, dtype=jnp.int32)
+    end = jnp.cumsum(steps)
+    total = end[-1]
+    first = end - steps
+    count = total
+    if parts == 2:
+        second = jnp.arange(steps.shape[0]) >= jnp.maximum(jnp.sum(end <= total // 2), 1)  # the second part's blocks
+        split_at = jnp.max(jnp.where(second, 0, end))  # where the second part starts
+        first = jnp.where(second, first - split_at + max_steps, first)
+        count = jnp.maximum(split_at, total - split_at)
+    step = jnp.arange(parts * max_steps, dtype=jnp.int32)
     block = jnp.searchsorted(first, step, side="right").astype(jnp.int32) - 1
-    return Steps(block, first, jnp.sum(steps).astype(jnp.int32))
+    return Steps(block, first.astype(jnp.int32), count.astype(jnp.int32))
 
 
 def token_ranges(cu_seqlens_q, cu_seqlens_k, num_q: int, num_k: int, causal: bool, left: int, right: int):
@@ -96,7 +108,7 @@ def cu_seqlens_valid(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
     return (cu_seqlens[0] == 0) & jnp.all(cu_seqlens[1:] >= cu_seqlens[:-1]) & (cu_seqlens[-1] <= num_tokens)
 
 
-def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int) -> Schedule:
+def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int, parts: int = 1) -> Schedule:
     """The block runs of `kernel.py` from the tokens' key ranges (on device)."""
     lo_blocks, hi_blocks = lo.reshape(-1, block_q), hi.reshape(-1, block_q)
     sees = lo_blocks <= hi_blocks
@@ -117,7 +129,8 @@ def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int) -> Schedule:
     max_steps = kv_count.shape[0] * q_count.shape[0]  # every pair meets, at most
     return Schedule(kv_start, kv_count, jnp.max(lo_blocks, axis=1).astype(jnp.int32),
                     jnp.min(hi_blocks, axis=1).astype(jnp.int32), q_start, q_count,
-                    _steps(kv_count, max_steps), _steps(q_count, max_steps))
+                    _steps(kv_count, max_steps, parts_for(parts, kv_count.shape[0])),
+                    _steps(q_count, max_steps, parts_for(parts, q_count.shape[0])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +140,7 @@ class _Static:
     causal: bool
     left: int
     right: int
-    vmem_limit: int | None
+    parts: int  # each KV head's grid steps split over a megacore's two cores (2) or not (1); see kernel.py
     fused_dq_vmem_limit: int | None  # see kernel.backward
     interpret: object
 
@@ -154,7 +167,7 @@ def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
     groups, bq, bk = st.opts.groups, st.blocks.block_q, st.blocks.block_k
     num_q, num_k = round_up(q.shape[0], bq), round_up(k.shape[0], bk)
     lo, hi = token_ranges(cu_seqlens_q, cu_seqlens_k, num_q, k.shape[0], st.causal, st.left, st.right)
-    schedule = make_schedule(lo, hi, bq, bk, num_k)
+    schedule = make_schedule(lo, hi, bq, bk, num_k, st.parts)
     row_lo = jnp.repeat(lo, groups)[None, :]
     row_hi = jnp.repeat(hi, groups)[None, :]
     return num_q, num_k, schedule, row_lo, row_hi
@@ -168,8 +181,7 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hkv * groups,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, st.blocks.block_q, 1)).reshape(hkv, -1, 1)
     o, lse = forward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), row_lo, row_hi,
-                     sink_rows, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
-                     interpret=st.interpret)
+                     sink_rows, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts, interpret=st.interpret)
     return _unrows(o, groups, q.shape[0]), lse
 
 
@@ -181,9 +193,8 @@ def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st
     # D = rowsum(dO * O): the softmax backward's correction, in f32.
     di = jnp.sum(do_rows.astype(jnp.float32) * _rows(out, groups, num_q).astype(jnp.float32), axis=2)[:, None, :]
     dq, dk, dv = backward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows, lse, di,
-                          row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, vmem_limit=st.vmem_limit,
-                          fused_dq_vmem_limit=st.fused_dq_vmem_limit,
-                          interpret=st.interpret)
+                          row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts,
+                          fused_dq_vmem_limit=st.fused_dq_vmem_limit, interpret=st.interpret)
     dk = dk.transpose(1, 0, 2)[: k.shape[0]]
     dv = dv.transpose(1, 0, 2)[: v.shape[0]]
     dsinks = None
@@ -220,17 +231,19 @@ def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks,
     interpret = default_interpret() if interpret is None else interpret
     groups = hq // hkv
     left, right = window_size
+    cores = GENERATIONS[generation].cores_per_device
+    parts = cores if hkv % cores else 1  # KV heads that split evenly over the cores need no more
     if blocks is None:
-        bounded = left >= 0 and (causal or right >= 0)  # the keys a query sees form a window
         blocks = choose_blocks(tq, k.shape[0], d, v.shape[2], groups, jnp.dtype(q.dtype).itemsize, generation,
-                               window=left + max(right, 0) if bounded else -1)
+                               window=window_span(causal, left, right), parts=parts)
     elif interpret is False:  # interpret mode runs any block sizes (the tests' small ones)
         check_blocks(blocks, groups)
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
     rows = round_up(tq, blocks.block_q) * groups
-    fused = fused_dq_vmem_limit(rows, d, v.shape[2], jnp.dtype(q.dtype).itemsize, blocks, groups, generation)
+    fused = None if parts > 1 else fused_dq_vmem_limit(rows, d, v.shape[2], jnp.dtype(q.dtype).itemsize, blocks,
+                                                        groups, generation)
     return _Static(Options(scale=scale, softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
-                   blocks, bool(causal), int(left), int(right), None, fused, interpret)
+                   blocks, bool(causal), int(left), int(right), parts, fused, interpret)
 
 
 def _offsets_valid(q, k, cu_seqlens_q, cu_seqlens_k):

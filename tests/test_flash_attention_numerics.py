@@ -66,9 +66,19 @@ def test_gradients_with_the_separate_dq_kernel(case, monkeypatch):
     _check_fp32(case)
 
 
-def _check_fp32(case):
+@pytest.mark.parametrize("case", [CASES[1], ("causal_three_kv_heads", [37, 100], [37, 130], 6, 3, 64, 64,
+                                              dict(causal=True))], ids=lambda c: c[0])
+def test_megacore_halves_match_the_reference(case):
+    """On v5p, KV heads that do not split evenly over its two cores (MQA, 3 heads): each
+    head's steps run in two halves (parts = 2), and dq in a kernel of its own."""
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
-    out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, **options)
+    assert ops._static(q, k, v, None, options.get("causal", False), (-1, -1), 0.0, None, SMALL, "v5p", True).parts == 2
+    _check_fp32(case, generation="v5p")
+
+
+def _check_fp32(case, **call):
+    q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
+    out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, **options, **call)
     expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
     assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.dtype == q.dtype
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
@@ -84,7 +94,7 @@ def _check_fp32(case):
         return jnp.sum(out.astype(jnp.float32) * weights)
 
     argnums = tuple(range(len(args)))
-    ours = jax.grad(lambda *a: loss(ops.flash_attention_varlen, *a, blocks=SMALL), argnums)(*args)
+    ours = jax.grad(lambda *a: loss(ops.flash_attention_varlen, *a, blocks=SMALL, **call), argnums)(*args)
     theirs = jax.grad(lambda *a: loss(reference.attention_varlen, *a), argnums)(*args)
     for name, got, want in zip(("q", "k", "v", "sinks"), ours, theirs):
         assert got.shape == want.shape and got.dtype == want.dtype, name
@@ -170,13 +180,40 @@ def test_schedule_skips_blocks_no_query_sees():
     assert int(schedule.q_steps.count) == 9
 
 
-def test_kernels_pass_the_tpu_interpreter():
+def test_schedule_in_two_parts_balances_the_steps():
+    """parts = 2 (a megacore, KV heads that do not split evenly): the causal triangle's
+    query blocks 0-4 (15 steps) in the first part, 5-7 (21 steps) from the arrays' middle
+    on; the grid runs the longer part's count, the shorter idles on its last block."""
+    tokens, block = 1024, 128
+    cu = jnp.asarray([0, tokens], jnp.int32)
+    lo, hi = ops.token_ranges(cu, cu, tokens, tokens, causal=True, left=-1, right=-1)
+    steps = ops.make_schedule(lo, hi, block, block, tokens, parts=2).q_steps
+    middle = steps.block.shape[0] // 2
+    assert int(steps.count) == 21
+    np.testing.assert_array_equal(steps.block[:15], np.repeat(np.arange(5), np.arange(1, 6)))
+    np.testing.assert_array_equal(steps.block[15:middle], 4)  # idle: past block 4's run
+    np.testing.assert_array_equal(steps.block[middle:middle + 21], np.repeat([5, 6, 7], [6, 7, 8]))
+    np.testing.assert_array_equal(steps.first, [0, 1, 3, 6, 10, middle, middle + 6, middle + 13])
+    # One block: the second part is empty, and the first runs it all.
+    one = ops.make_schedule(lo[:128], hi[:128], block, block, tokens, parts=2).q_steps
+    assert int(one.count) == 1 and int(one.first[0]) == 0
+
+
+@pytest.mark.parametrize("dq_kernel", ["fused", "separate", "megacore halves"])
+def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     """The TPU interpreter (race detection, two cores, uninitialised memory as
-    NaN) over the forward and backward of a packed, windowed, GQA case."""
+    NaN) over the forward and backward of a packed, windowed case: GQA with dq
+    accumulated by the dkv kernel and by a kernel of its own, and MQA on v5p,
+    each KV head's steps in two halves, one per core."""
+    if dq_kernel == "separate":
+        monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
-    case = ("tpu_interpreter", [20, 40], [20, 100], 4, 2, 64, 64, dict(causal=True, window_size=(50, 50), sinks=True))
+    # Halves: 4 query blocks and 2 key blocks, so every kernel's two parts have steps.
+    hkv, lens_k, generation = (1, [20, 240], "v5p") if dq_kernel == "megacore halves" else (2, [20, 100], None)
+    case = ("tpu_interpreter", [20, 40], lens_k, 4, hkv, 64, 64, dict(causal=True, window_size=(50, 50), sinks=True))
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
-    fn = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, interpret=params, **options)
+    fn = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, interpret=params,
+                                                    generation=generation, **options)
     out, pullback = jax.vjp(fn, q, k, v)
     grads = pullback(jnp.ones_like(out))
     assert tpu_interpreter.races.races_found is False

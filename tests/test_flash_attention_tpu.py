@@ -1,12 +1,14 @@
 """flash_attention compiled by libtpu (Mosaic and XLA:TPU, ahead of time) for
 each TPU generation: forward and backward, within each chip's VMEM."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
 import tpu_compile
 
-from flash_attention import ops
+from flash_attention import ops, tuning
 from flash_attention._shared.generations import GENERATIONS
 
 # (generation, tokens, Hq, Hkv, D, Dv, dtype, options): every generation at Llama-3-8B's
@@ -15,6 +17,8 @@ from flash_attention._shared.generations import GENERATIONS
 CASES = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
     ("v5e", 1024, 8, 8, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     ("v5p", 1024, 8, 2, 80, 80, jnp.bfloat16, dict(causal=True)),
+    # MQA on a megacore: each kernel's steps in two halves, one per core; dq in its own kernel.
+    ("v5p", 2048, 8, 1, 128, 128, jnp.bfloat16, dict(causal=True)),
     ("v6e", 1024, 8, 1, 96, 96, jnp.float32, dict(causal=False)),
     ("tpu7x", 1024, 8, 8, 192, 128, jnp.bfloat16, dict(causal=True)),
     ("v5e", 1024, 8, 4, 256, 256, jnp.bfloat16, dict(causal=True, softcap=50.0, window_size=(255, 0))),
@@ -27,7 +31,41 @@ CASES = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GE
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-{c[2]}x{c[3]}-d{c[4]}-{jnp.dtype(c[6]).name}")
 def test_forward_and_backward_compile(case):
-    generation, tokens, hq, hkv, d, dv, dtype, options = case
+    generation, tokens, _, hkv = case[:4]
+    names = " ".join(compile_forward_backward(*case).kernels)
+    assert "fwd" in names and "dkv" in names, names
+    # dq has a kernel of its own where a KV head's dq does not fit VMEM (here, at 128k tokens) or
+    # where a megacore splits each KV head's steps.
+    halves = GENERATIONS[generation].cores_per_device > 1 and hkv % 2 == 1
+    assert ("_dq" in names) == (tokens == 131072 or halves), names
+
+
+def tuned_entries():
+    return [(gen, key, rows_keys) for gen, table in tuning.TUNED.items() for key, rows_keys in table.items()]
+
+
+def tuned_sample():
+    """Per generation, the entry with the largest score block times head_dim."""
+    biggest = {}
+    for gen, key, (rows, keys) in tuned_entries():
+        if rows * keys * key[0] > biggest.get(gen, (0,))[0]:
+            biggest[gen] = (rows * keys * key[0], key, (rows, keys))
+    return [(gen, key, rows_keys) for gen, (_, key, rows_keys) in sorted(biggest.items())]
+
+
+@pytest.mark.parametrize("generation,key,rows_keys",
+                         tuned_entries() if os.environ.get("FLASH_CHECK_ALL_TUNED") == "1" else tuned_sample())
+def test_tuned_entry_is_chosen_and_compiles(generation, key, rows_keys):
+    """At its own head_dim, G and length (2 KV heads: VMEM does not depend on the head count);
+    `make check-tuned` compiles every entry, `make test` a sample."""
+    d, groups, tokens = key
+    blocks = tuning.choose_blocks(tokens, tokens, d, d, groups, 2, generation)
+    assert (blocks.block_q * groups, blocks.block_k) == rows_keys
+    compile_forward_backward(generation, tokens, 2 * groups, 2, d, d, jnp.bfloat16, dict(causal=True))
+
+
+def compile_forward_backward(generation, tokens, hq, hkv, d, dv, dtype, options):
+    """Compiles a causal-or-not training step's attention; checks every kernel's VMEM."""
     options = dict(options)
     has_sinks = options.pop("sinks", False)
 
@@ -41,9 +79,6 @@ def test_forward_and_backward_compile(case):
     specs = [((tokens, hq, d), dtype), ((tokens, hkv, d), dtype), ((tokens, hkv, dv), dtype), ((3,), jnp.int32),
              ((hq,), dtype)]
     report = tpu_compile.compile_for(forward_backward, specs, generation, "flash_attention")
-    names = " ".join(report.kernels)
-    assert "fwd" in names and "dkv" in names, names
-    # dq has a kernel of its own only where a KV head's dq does not fit VMEM: here, at 128k tokens.
-    assert ("_dq" in names) == (tokens == 131072), names
     for kernel in report.kernels.values():
         assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
+    return report

@@ -1,0 +1,63 @@
+"""flash attention's block choice (tuned table, else the rule) and the flash bench's goal
+verdicts, on hand-made inputs: cheap checks that run without compiling."""
+
+import pytest
+
+import flash_bench
+from flash_attention import tuning
+
+
+@pytest.mark.parametrize("call,key", [
+    ((8192, 128, 128, 4), (128, 4, 8192)),
+    ((3000, 80, 80, 2), (128, 4, 2048)),  # head_dim and G round up
+    ((5000, 192, 128, 6), (256, 8, 8192)),  # tokens to the nearest by ratio; value head_dim counts too
+    ((100_000, 64, 64, 1), (64, 1, 32768)),
+    ((1, 256, 256, 16), (256, 8, 2048)),
+])
+def test_table_key_buckets_a_call(call, key):
+    assert tuning.table_key(*call) == key
+
+
+def test_tuned_entry_serves_bf16_calls_of_its_bucket_only(monkeypatch):
+    monkeypatch.setattr(tuning, "TUNED", {"v6e": {(128, 4, 8192): (1024, 1024)}})
+    tuned = tuning.choose_blocks(8000, 8000, 128, 128, 4, 2, "v6e")
+    assert (tuned.block_q * 4, tuned.block_k) == (1024, 1024)
+    rule = tuning.GQA_BLOCK
+    for call in [dict(itemsize=4), dict(generation="v5e"), dict(window=127), dict(num_q=2048)]:
+        args = dict(num_q=8000, num_k=8000, head_dim=128, value_dim=128, groups=4, itemsize=2, generation="v6e")
+        args.update(call)
+        blocks = tuning.choose_blocks(**args)
+        assert (blocks.block_q * 4, blocks.block_k) != (1024, 1024), call
+        if "window" not in call:
+            assert (blocks.block_q * 4, blocks.block_k) == rule
+
+
+def _row(impl, us, model="Qwen3-32B", tokens=8192, **extra):
+    return dict(model=model, tokens=tokens, pass_="fwd", generation="v6e", impl=impl, tiling="512x512",
+                modeled_us=us, **extra)
+
+
+def _verdicts(rows):
+    return [line.split("|")[5].strip() + ": " + line.split("|")[-2].strip() for line in flash_bench.goal_rows(rows)]
+
+
+def test_goals_compare_with_the_fastest_anchor_and_the_thresholds():
+    ours = _row("ours", 100.0, mxu_vs_dense=0.53, kv_reads_vs_query_blocks=1.02)
+    assert _verdicts([ours, _row("splash", 120.0), _row("tokamax", 101.0)]) == [
+        "time no worse than the best anchor: met",
+        f"causal executes <= {flash_bench.MAX_EXECUTED_VS_DENSE}x dense FLOPs: met",
+        f"K/V reads <= {flash_bench.MAX_KV_READS}x (query blocks) x (K and V size): met"]
+    slower = _row("ours", 102.0, mxu_vs_dense=0.56, kv_reads_vs_query_blocks=1.2)
+    assert [v.split(": ")[1] for v in _verdicts([slower, _row("splash", 120.0), _row("tokamax", 101.0)])] == [
+        "NOT met"] * 3
+    line = flash_bench.goal_rows([slower, _row("tokamax", 101.0)])[0]
+    assert "tokamax 512x512: 101 us" in line
+
+
+def test_goals_say_na_without_a_compiling_anchor_and_skip_other_lengths():
+    ours = _row("ours", 100.0, tokens=2048, mxu_vs_dense=0.9)
+    failed = dict(_row("splash", 0.0, tokens=2048), error="does not compile")
+    del failed["modeled_us"]
+    assert _verdicts([ours, failed]) == ["time no worse than the best anchor: n/a"]
+    mha = _row("ours", 100.0, model="Llama-2-7B (MHA)", mxu_vs_dense=0.5, kv_reads_vs_query_blocks=3.0)
+    assert len(flash_bench.goal_rows([mha])) == 2  # the K/V read goal is for GQA shapes
