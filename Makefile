@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test build bench bench-flash tune tune-flash check-tuned publish venv clean
+.PHONY: demo test build bench bench-flash tune tune-flash check-tuned check-compile publish venv clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -47,6 +47,9 @@ tune: $(STAMP)
 check-tuned: $(STAMP)
 	RAGGED_DOT_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_tuned_blocks.py -q
 	FLASH_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_flash_attention_tpu.py -q -k tuned_entry
+
+check-compile: $(STAMP)
+	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_ragged_dot_tpu.py tests/test_flash_attention_tpu.py tests/test_paged_attention_tpu.py -q
 
 publish: $(STAMP)
 	$(PY) kernels/publish.py $(PUBLISH_ARGS)

@@ -15,7 +15,9 @@ block) and a key block is seen by one contiguous run of query blocks
 ops.py) and flattened into the grid's steps: a step per pair of blocks that
 meet (and one for a block that meets none, to write its zeros), so blocks
 outside the runs cost neither a DMA, nor compute, nor a grid step. A block
-that every row sees whole skips the mask arithmetic.
+that every row sees whole skips the mask arithmetic; on the causal diagonal
+a pair of blocks runs in quarters and skips those no row sees
+(`_run_step`).
 
 Statistics are kept in f32 whatever the input dtype, in base 2 (exp2 is the
 EUP's operation; log2(e) is folded into the scale), each row's held
@@ -31,20 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# A finite "minus infinity": exp(MASKED - m) is 0 and MASKED - MASKED is not NaN.
-MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+from ._shared.attention_math import LANES, LOG2E, MASKED, as_columns, dot, lanes, scores
+
 # The log-sum-exp stored for a row that sees no key: exp(s - EMPTY_LSE) is 0 in the backward
 # (and EMPTY_LSE * log2(e) is still finite).
 EMPTY_LSE = 0.5 * float(jnp.finfo(jnp.float32).max)
-LOG2E = math.log2(math.e)
-LANES = 128  # a vreg's lanes: row statistics are kept replicated across them
 UPPER, BOTH = "upper", "both"  # which ends of the rows' key ranges a block's mask compares
 
 
@@ -63,52 +62,40 @@ class Options:
     groups: int  # query heads per KV head (G)
 
 
-def _dot(a, b, contract_a: int, contract_b: int):
-    """a . b contracted on one dim each, accumulated in f32 (all f32 passes for f32 inputs)."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
-                               preferred_element_type=jnp.float32, precision=precision)
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A static part of a step's pair of blocks: rows [row0, row0 + rows) of the query block,
+    keys [key0, key0 + keys) of the key block."""
+    row0: int
+    rows: int
+    key0: int
+    keys: int
+
+    @property
+    def row_at(self):
+        return pl.ds(self.row0, self.rows)
+
+    @property
+    def key_at(self):
+        return pl.ds(self.key0, self.keys)
 
 
-def _scores(q, k, opts: Options):
-    """The scaled (and soft-capped) scores times log2(e) [rows, block_k] in f32, and tanh of the
-    cap's argument. The kernels' softmax runs in base 2: exp2 is what the EUP computes, so
-    folding log2(e) into the scale saves a multiply per score."""
-    raw = _dot(q, k, 1, 1)
-    if opts.softcap:
-        t = jnp.tanh(raw * (opts.scale / opts.softcap))
-        return (opts.softcap * LOG2E) * t, t
-    return raw * (opts.scale * LOG2E), None
-
-
-def _visible(lo_cols, hi_cols, first_key: jax.Array, block_k: int, mask: str):
-    """[rows, block_k] bool: key `first_key + c` lies in its row's range ("upper": the
-    range's start is known to lie before the block, only its end is compared). lo_cols and
-    hi_cols: the rows' bounds as columns [rows, LANES] (`_as_columns`)."""
-    key = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], block_k), 1)
-    relative = lambda cols: _lanes(cols[...] - first_key, block_k)
+def _visible(lo_cols, hi_cols, part: Part, first_key: jax.Array, mask: str):
+    """[part's rows, part's keys] bool: key `first_key + part.key0 + c` lies in its row's range
+    ("upper": the range's start is known to lie before the block, only its end is compared).
+    lo_cols and hi_cols: the block's rows' bounds as columns [rows, LANES] (`as_columns`)."""
+    key = jax.lax.broadcasted_iota(jnp.int32, (part.rows, part.keys), 1)
+    relative = lambda cols: lanes(cols[part.row_at, :] - (first_key + part.key0), part.keys)
     below_end = key <= relative(hi_cols)
     return below_end if mask == UPPER else below_end & (key >= relative(lo_cols))
 
 
-def _visible_transposed(lo_ref, hi_ref, first_key: jax.Array, block_k: int, mask: str):
-    """_visible's transpose [block_k, rows], from the rows' bounds lo_ref and hi_ref [1, rows]."""
-    key = jax.lax.broadcasted_iota(jnp.int32, (block_k, lo_ref.shape[1]), 0)
-    below_end = key <= hi_ref[...] - first_key
-    return below_end if mask == UPPER else below_end & (key >= lo_ref[...] - first_key)
-
-
-def _as_columns(row):
-    """A per-row value held lane-dense [1, rows] as a column repeated over 128 lanes
-    [rows, LANES] (one transpose per block, on the XLU)."""
-    return jnp.broadcast_to(row, (LANES, row.shape[1])).T
-
-
-def _lanes(x, width: int):
-    """A row statistic held replicated over 128 lanes [rows, 128], as [rows, width]: whole vregs
-    repeated, not a lane broadcast per use."""
-    reps = -(-width // LANES)
-    return (jnp.tile(x, (1, reps)) if reps > 1 else x)[:, :width]
+def _visible_transposed(lo_ref, hi_ref, part: Part, first_key: jax.Array, mask: str):
+    """_visible's transpose [part's keys, part's rows], from the block's rows' bounds lo_ref and
+    hi_ref [1, rows]."""
+    key = jax.lax.broadcasted_iota(jnp.int32, (part.keys, part.rows), 0) + part.key0
+    below_end = key <= hi_ref[:, part.row_at] - first_key
+    return below_end if mask == UPPER else below_end & (key >= lo_ref[:, part.row_at] - first_key)
 
 
 # Every kernel's grid is (KV heads x parts, steps): a step pairs one block of its
@@ -117,7 +104,7 @@ def _lanes(x, width: int):
 # scratch from its first step to its last. Scalar prefetch, in this order:
 # the steps' own-side block and each block's first step, then the other
 # side's run (start, length) per own-side block, then lo_max and hi_min per
-# query block.
+# query block and the largest row_hi of each half of a query block.
 #
 # parts: 1, or 2 where a megacore's two cores would not get the same number of
 # KV heads (MQA, an odd Hkv). Then each KV head's own-side blocks are cut in two
@@ -150,26 +137,48 @@ def _clamped(start, count, step):
     return start + jnp.minimum(step, jnp.maximum(count - 1, 0))
 
 
-def _run_step(j, count, body, lo_max, hi_min, first_key, block_k: int):
-    """Runs the step's body if the step is in its run, with the least mask arithmetic the
-    block needs: body(None) where every row sees every key of the block, body(UPPER) where
-    every row's range starts before the block (the causal diagonal), body(BOTH) otherwise."""
+def splits_diagonal(rows_per_block: int, block_k: int) -> bool:
+    """Whether diagonal blocks run in quarters: each half of the rows and of the keys a whole
+    number of lane tiles (the dkv kernel has the rows on its lanes)."""
+    return rows_per_block % (2 * LANES) == 0 and block_k % (2 * LANES) == 0
+
+
+def _run_step(j, count, body, lo_max, hi_min, half_hi_max, first_key, whole: Part, split: bool):
+    """Runs the step's body if the step is in its run, with the least work the blocks need:
+    body(None, whole) where every row sees every key of the block, body(BOTH, whole) where
+    some row's range starts inside the block, and where every row's range starts before it but
+    some ends inside (the causal diagonal) body(UPPER, ...) over the whole block or, with
+    `split`, over only the quarters (halves of the rows by halves of the keys) that some row
+    sees: on a diagonal block of as many tokens as keys, the quarter above the diagonal is
+    skipped. half_hi_max: the largest row_hi of each half of the rows."""
     runs = j < count
     starts_before = lo_max <= first_key
-    ends_after = hi_min >= first_key + block_k - 1
-    pl.when(runs & starts_before & ends_after)(lambda: body(None))
-    pl.when(runs & starts_before & jnp.logical_not(ends_after))(lambda: body(UPPER))
-    pl.when(runs & jnp.logical_not(starts_before))(lambda: body(BOTH))
+    ends_after = hi_min >= first_key + whole.keys - 1
+    pl.when(runs & starts_before & ends_after)(lambda: body(None, whole))
+    diagonal = runs & starts_before & jnp.logical_not(ends_after)
+    if not split:
+        pl.when(diagonal)(lambda: body(UPPER, whole))
+    else:
+        half_rows, half_keys = whole.rows // 2, whole.keys // 2
+        sees = lambda a, b: half_hi_max[a] >= first_key + b * half_keys  # rows' half a, keys' half b
+        all_quarters = sees(0, 1) & sees(1, 1)  # (a sees its keys' second half, so its first too)
+        pl.when(diagonal & all_quarters)(lambda: body(UPPER, whole))
+        for a in range(2):
+            for b in range(2):
+                quarter = Part(a * half_rows, half_rows, b * half_keys, half_keys)
+                pl.when(diagonal & jnp.logical_not(all_quarters) & sees(a, b))(
+                    functools.partial(body, UPPER, quarter))
+    pl.when(runs & jnp.logical_not(starts_before))(lambda: body(BOTH, whole))
 
 
 def _prefetch(steps, run_start, run_count, schedule):
-    return steps.block, steps.first, run_start, run_count, schedule.lo_max, schedule.hi_min
+    return steps.block, steps.first, run_start, run_count, schedule.lo_max, schedule.hi_min, schedule.half_hi_max
 
 
 @dataclasses.dataclass(frozen=True)
 class _Maps:
-    """Index maps of a grid of `parts` per KV head: grid indices (h, p), then the six
-    prefetched arrays."""
+    """Index maps of a grid of `parts` per KV head: grid indices (h, p), then the
+    prefetched arrays (`_prefetch`)."""
     parts: int
 
     def head(self, h, *_):
@@ -215,7 +224,7 @@ _PARAMS = dict(dimension_semantics=("parallel", "arbitrary"))
 # ---------------------------------------------------------------- forward
 
 
-def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,  # scalar prefetch
+def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, half_hi_max,  # scalar prefetch
                     q_ref, k_ref, v_ref, lo_ref, hi_ref, sink_ref,  # inputs
                     o_ref, lse_ref,  # outputs
                     m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
@@ -224,8 +233,8 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
 
     @pl.when(j == 0)
     def _init():
-        lo_cols[...] = _as_columns(lo_ref[...])
-        hi_cols[...] = _as_columns(hi_ref[...])
+        lo_cols[...] = as_columns(lo_ref[...])
+        hi_cols[...] = as_columns(hi_ref[...])
         if opts.has_sinks:
             m_ref[...] = jnp.broadcast_to(sink_ref[...] * LOG2E, m_ref.shape)
             l_ref[...] = jnp.ones_like(l_ref)
@@ -236,22 +245,25 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
 
     first_key = kv_block * block_k
 
-    def step(mask):
-        s, _ = _scores(q_ref[...], k_ref[...], opts)
+    def step(mask, part: Part):
+        rows = part.row_at
+        s, _ = scores(q_ref[rows, :], k_ref[part.key_at, :], opts.scale, opts.softcap)
         if mask:
-            s = jnp.where(_visible(lo_cols, hi_cols, first_key, block_k, mask), s, MASKED)
-        m_prev = m_ref[...]
+            s = jnp.where(_visible(lo_cols, hi_cols, part, first_key, mask), s, MASKED)
+        m_prev = m_ref[rows, :]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # A row that has seen no key yet (m_new still MASKED) gets p = 1 for its hidden keys here:
         # the first key it sees scales them away (alpha = 0), and _finish zeroes a row that sees none.
-        p = jnp.exp2(s - _lanes(m_new, block_k))
+        p = jnp.exp2(s - lanes(m_new, part.keys))
         alpha = jnp.exp2(m_prev - m_new)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        v = v_ref[...]
-        acc_ref[...] = _lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + _dot(p.astype(v.dtype), v, 1, 0)
-        m_ref[...] = m_new
+        l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
+        v = v_ref[part.key_at, :]
+        acc_ref[rows, :] = lanes(alpha, acc_ref.shape[1]) * acc_ref[rows, :] + dot(p.astype(v.dtype), v, 1, 0)
+        m_ref[rows, :] = m_new
 
-    _run_step(j, count, step, lo_max[i], hi_min[i], first_key, block_k)
+    whole = Part(0, q_ref.shape[0], 0, block_k)
+    _run_step(j, count, step, lo_max[i], hi_min[i], (half_hi_max[2 * i], half_hi_max[2 * i + 1]), first_key, whole,
+              splits_diagonal(whole.rows, block_k))
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
@@ -259,8 +271,8 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
         # A row saw a key or a sink; a NaN score (which a max may skip, a sum does not) is passed on.
         seen = (m != MASKED) | jnp.isnan(l)
         l = jnp.where(seen, l, 1.0)
-        out = acc_ref[...] / _lanes(l, acc_ref.shape[1])
-        o_ref[...] = jnp.where(_lanes(seen, acc_ref.shape[1]), out, 0.0).astype(o_ref.dtype)
+        out = acc_ref[...] / lanes(l, acc_ref.shape[1])
+        o_ref[...] = jnp.where(lanes(seen, acc_ref.shape[1]), out, 0.0).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) / LOG2E, EMPTY_LSE).T[:1]  # lane-dense [1, rows]
 
 
@@ -283,7 +295,7 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
         functools.partial(_forward_kernel, opts=opts, block_k=bk, parts=maps.parts),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, 1, rows), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=7,
             grid=(hkv * maps.parts, steps.count),
             in_specs=[
                 pl.BlockSpec((None, rows_per_block, d), maps.own),
@@ -311,7 +323,7 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
 def _probabilities(q, k, lse2, visible, opts: Options):
     """P = exp(s - lse) [rows, block_k] in f32 (0 where not visible), and tanh of the cap's
     argument. lse2: the log-sum-exp times log2(e)."""
-    s, t = _scores(q, k, opts)
+    s, t = scores(q, k, opts.scale, opts.softcap)
     p = jnp.exp2(s - lse2)
     return (p if visible is None else jnp.where(visible, p, 0.0)), t
 
@@ -325,7 +337,7 @@ def _score_grad(p, dp, di, t, opts: Options):
     return ds
 
 
-def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,
+def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, half_hi_max,
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                dq_ref,
                acc_ref, lse_cols, di_cols, lo_cols, hi_cols,
@@ -336,26 +348,29 @@ def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min,
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
         for cols, row in ((lse_cols, lse_ref), (di_cols, di_ref), (lo_cols, lo_ref), (hi_cols, hi_ref)):
-            cols[...] = _as_columns(row[...])
+            cols[...] = as_columns(row[...])
 
     first_key = kv_block * block_k
 
-    def step(mask):
-        visible = _visible(lo_cols, hi_cols, first_key, block_k, mask) if mask else None
-        k = k_ref[...]
-        p, t = _probabilities(q_ref[...], k, _lanes(lse_cols[...], block_k), visible, opts)
-        dp = _dot(do_ref[...], v_ref[...], 1, 1)
-        ds = _score_grad(p, dp, _lanes(di_cols[...], block_k), t, opts)
-        acc_ref[...] += _dot(ds.astype(k.dtype), k, 1, 0)
+    def step(mask, part: Part):
+        rows = part.row_at
+        visible = _visible(lo_cols, hi_cols, part, first_key, mask) if mask else None
+        k = k_ref[part.key_at, :]
+        p, t = _probabilities(q_ref[rows, :], k, lanes(lse_cols[rows, :], part.keys), visible, opts)
+        dp = dot(do_ref[rows, :], v_ref[part.key_at, :], 1, 1)
+        ds = _score_grad(p, dp, lanes(di_cols[rows, :], part.keys), t, opts)
+        acc_ref[rows, :] += dot(ds.astype(k.dtype), k, 1, 0)
 
-    _run_step(j, count, step, lo_max[i], hi_min[i], first_key, block_k)
+    whole = Part(0, q_ref.shape[0], 0, block_k)
+    _run_step(j, count, step, lo_max[i], hi_min[i], (half_hi_max[2 * i], half_hi_max[2 * i + 1]), first_key, whole,
+              splits_diagonal(whole.rows, block_k))
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
         dq_ref[...] = (acc_ref[...] * opts.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
+def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min, half_hi_max,
                 k_ref, v_ref, q_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                 dk_ref, dv_ref, *rest,
                 opts: Options, block_k: int, parts: int, fuse_dq: bool):
@@ -382,20 +397,24 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min,
 
     first_key = j * block_k
 
-    def step(mask):
-        q, do = q_ref[...], do_ref[...]
-        visible = _visible_transposed(lo_ref, hi_ref, first_key, block_k, mask) if mask else None
-        p, t = _probabilities(k_ref[...], q, lse_ref[...], visible, opts)
-        dv_acc[...] += _dot(p.astype(do.dtype), do, 1, 0)
-        dp = _dot(v_ref[...], do, 1, 1)
-        ds = _score_grad(p, dp, di_ref[...], t, opts)
-        dk_acc[...] += _dot(ds.astype(q.dtype), q, 1, 0)
+    def step(mask, part: Part):
+        rows_at, keys = part.row_at, part.key_at
+        q, do = q_ref[rows_at, :], do_ref[rows_at, :]
+        visible = _visible_transposed(lo_ref, hi_ref, part, first_key, mask) if mask else None
+        k = k_ref[keys, :]
+        p, t = _probabilities(k, q, lse_ref[:, rows_at], visible, opts)
+        dv_acc[keys, :] += dot(p.astype(do.dtype), do, 1, 0)
+        dp = dot(v_ref[keys, :], do, 1, 1)
+        ds = _score_grad(p, dp, di_ref[:, rows_at], t, opts)
+        dk_acc[keys, :] += dot(ds.astype(q.dtype), q, 1, 0)
         if fuse_dq:
-            k = k_ref[...]
-            at = pl.ds(pl.multiple_of(q_block * rows, LANES), rows)
-            dq_acc[at, :] += _dot(ds.astype(k.dtype), k, 0, 0)
+            at = pl.ds(pl.multiple_of(q_block * rows + part.row0, LANES), part.rows)
+            dq_acc[at, :] += dot(ds.astype(k.dtype), k, 0, 0)
 
-    _run_step(i, count, step, lo_max[q_block], hi_min[q_block], first_key, block_k)
+    whole = Part(0, rows, 0, block_k)
+    _run_step(i, count, step, lo_max[q_block], hi_min[q_block],
+              (half_hi_max[2 * q_block], half_hi_max[2 * q_block + 1]), first_key, whole,
+              splits_diagonal(rows, block_k))
 
     if fuse_dq:
         @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
@@ -433,7 +452,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
         functools.partial(_dq_kernel, opts=opts, block_k=bk, parts=maps.parts),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=7,
             grid=(hkv * maps.parts, steps.count),
             in_specs=[
                 pl.BlockSpec((None, rows_per_block, d), maps.own),
@@ -462,7 +481,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                    *([jax.ShapeDtypeStruct(q.shape, q.dtype)] if fuse_dq else [])),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=7,
             grid=(hkv * maps.parts, steps.count),
             in_specs=[
                 pl.BlockSpec((None, bk, d), maps.own),

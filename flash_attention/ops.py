@@ -26,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ._shared.attention_math import heads_as_rows, rows_as_heads
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import BlockSizes, Options, backward, forward, parts_for
@@ -54,6 +55,7 @@ class Schedule:
     kv_count: jax.Array  # [nQ] how many key blocks it sees (0: none)
     lo_max: jax.Array  # [nQ] the largest row_lo of its rows
     hi_min: jax.Array  # [nQ] the smallest row_hi of its rows
+    half_hi_max: jax.Array  # [2 nQ] the largest row_hi of each half (by tokens) of a query block
     q_start: jax.Array  # [nK] first query block that sees a key block
     q_count: jax.Array  # [nK] how many query blocks see it
     q_steps: Steps  # the forward's and dq's grid: per query block, its key blocks
@@ -128,7 +130,8 @@ def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int, parts: int = 1
     q_count = jnp.where(seen, q_last - q_first + 1, 0).astype(jnp.int32)
     max_steps = kv_count.shape[0] * q_count.shape[0]  # every pair meets, at most
     return Schedule(kv_start, kv_count, jnp.max(lo_blocks, axis=1).astype(jnp.int32),
-                    jnp.min(hi_blocks, axis=1).astype(jnp.int32), q_start, q_count,
+                    jnp.min(hi_blocks, axis=1).astype(jnp.int32),
+                    jnp.max(hi.reshape(-1, block_q // 2), axis=1).astype(jnp.int32), q_start, q_count,
                     _steps(kv_count, max_steps, parts_for(parts, kv_count.shape[0])),
                     _steps(q_count, max_steps, parts_for(parts, q_count.shape[0])))
 
@@ -145,16 +148,6 @@ class _Static:
     interpret: object
 
 
-def _rows(x, groups: int, num: int):
-    """[T, Hq, D] -> [Hkv, num * G, D]: a KV head's query heads as rows, token-major, padded to num tokens."""
-    t, hq, d = x.shape
-    x = jnp.pad(x, ((0, num - t), (0, 0), (0, 0))) if num != t else x
-    return x.reshape(num, hq // groups, groups, d).transpose(1, 0, 2, 3).reshape(hq // groups, num * groups, d)
-
-
-def _unrows(x, groups: int, t: int):
-    hkv, rows, d = x.shape
-    return x.reshape(hkv, rows // groups, groups, d).transpose(1, 0, 2, 3).reshape(-1, hkv * groups, d)[:t]
 
 
 def _heads_major(x, num: int):
@@ -180,20 +173,22 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
     hkv = k.shape[1]
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hkv * groups,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, st.blocks.block_q, 1)).reshape(hkv, -1, 1)
-    o, lse = forward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), row_lo, row_hi,
-                     sink_rows, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts, interpret=st.interpret)
-    return _unrows(o, groups, q.shape[0]), lse
+    o, lse = forward(heads_as_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), row_lo,
+                     row_hi, sink_rows, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts,
+                     interpret=st.interpret)
+    return rows_as_heads(o, groups, q.shape[0]), lse
 
 
 def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st: _Static):
     """(dq, dk, dv, dsinks or None) from the forward's output and log-sum-exp."""
     groups = st.opts.groups
     num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
-    do_rows = _rows(grad_out.astype(q.dtype), groups, num_q)
+    do_rows = heads_as_rows(grad_out.astype(q.dtype), groups, num_q)
     # D = rowsum(dO * O): the softmax backward's correction, in f32.
-    di = jnp.sum(do_rows.astype(jnp.float32) * _rows(out, groups, num_q).astype(jnp.float32), axis=2)[:, None, :]
-    dq, dk, dv = backward(_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows, lse, di,
-                          row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts,
+    out_rows = heads_as_rows(out, groups, num_q)
+    di = jnp.sum(do_rows.astype(jnp.float32) * out_rows.astype(jnp.float32), axis=2)[:, None, :]
+    dq, dk, dv = backward(heads_as_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows,
+                          lse, di, row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts,
                           fused_dq_vmem_limit=st.fused_dq_vmem_limit, interpret=st.interpret)
     dk = dk.transpose(1, 0, 2)[: k.shape[0]]
     dv = dv.transpose(1, 0, 2)[: v.shape[0]]
@@ -203,7 +198,7 @@ def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st
         hkv = k.shape[1]
         p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(hkv, 1, groups) - lse.reshape(hkv, -1, groups))
         dsinks = -jnp.sum(p_sink * di.reshape(hkv, -1, groups), axis=1).reshape(-1).astype(sinks.dtype)
-    return _unrows(dq, groups, q.shape[0]), dk, dv, dsinks
+    return rows_as_heads(dq, groups, q.shape[0]), dk, dv, dsinks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

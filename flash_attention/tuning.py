@@ -24,7 +24,8 @@ import math
 
 from ._shared.generations import GENERATIONS
 from ._shared.tuning import round_up
-from .kernel import LANES, BlockSizes
+from ._shared.attention_math import LANES
+from .kernel import BlockSizes
 from .tuned_blocks import TUNED  # generation -> {table_key: (query rows, keys)}
 
 # The tuned table's axes (bench/flash_tune.py fills flash_attention/tuned_blocks.py).

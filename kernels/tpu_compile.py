@@ -85,14 +85,16 @@ def device_for(generation: str):
     return _devices[generation]
 
 
-def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_options: dict | None = None) -> CompileReport:
+def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_options: dict | None = None,
+                donate_argnums: tuple[int, ...] = ()) -> CompileReport:
     """Compiles `fn(*args)` for one device of `generation`.
 
     arg_specs: (shape, dtype) per argument. Reports every Pallas kernel whose
     name contains `kernel_name`. Raises the compiler's error when it fails
     (a VMEM overflow is `RESOURCE_EXHAUSTED ... vmem`). compiler_options:
     XLA/libtpu flags for this compile only (a kernel that sets no VMEM limit
-    gets `xla_tpu_scoped_vmem_limit_kib`, as its users set it).
+    gets `xla_tpu_scoped_vmem_limit_kib`, as its users set it). donate_argnums: as jax.jit's
+    (an op that updates an argument in place).
     """
     import jax
 
@@ -104,13 +106,13 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
     start = time.perf_counter()
     try:
         with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
-            jax.jit(fn).lower(*args).compile(compiler_options=compiler_options)
+            jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile(compiler_options=compiler_options)
         seconds = time.perf_counter() - start
         capacity, kernels, other_ops = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)
     finally:
         _clear(dump)  # a compile's dump can be tens of MB: keep none of it
-    if not kernels:
-        raise RuntimeError(f"libtpu's dump in {dump} has no VMEM report for a kernel named {kernel_name!r}")
+    if not kernels and not any(kernel_name in op for op in other_ops):  # a kernel of DMAs only has no VMEM report
+        raise RuntimeError(f"libtpu's dump in {dump} has no kernel named {kernel_name!r}")
     return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops)
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_attention import ops, reference, tuning
+from flash_attention import kernel, ops, reference, tuning
 from flash_attention.kernel import BlockSizes
 
 # Small blocks, so a few hundred tokens span several query and key blocks.
@@ -76,9 +76,28 @@ def test_megacore_halves_match_the_reference(case):
     _check_fp32(case, generation="v5p")
 
 
-def _check_fp32(case, **call):
+# Blocks whose causal-diagonal pairs run in quarters (kernel.splits_diagonal): halves of 64
+# query tokens (G = 2) by 128 keys, and of 256 tokens by 128 keys. The first sequence has one
+# key more than queries, so a half's last row sees exactly the first key of a key half (the
+# bound a quarter's skip compares); the others put the diagonal at other offsets.
+QUARTER_CASES = [
+    (BlockSizes(block_q=128, block_k=256),
+     ("causal_gqa", [300, 5, 190], [301, 40, 190], 4, 2, 64, 64, dict(causal=True, sinks=True))),
+    (BlockSizes(block_q=512, block_k=256),
+     ("causal_mha_window", [600, 300], [601, 300], 1, 1, 64, 64, dict(causal=True, window_size=(300, -1)))),
+]
+
+
+@pytest.mark.parametrize("blocks,case", QUARTER_CASES, ids=[case[0] for _, case in QUARTER_CASES])
+def test_diagonal_quarters_match_the_reference(blocks, case):
+    rows = blocks.block_q * case[3] // case[4]
+    assert kernel.splits_diagonal(rows, blocks.block_k)
+    _check_fp32(case, blocks=blocks)
+
+
+def _check_fp32(case, blocks=SMALL, **call):
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
-    out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, **options, **call)
+    out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=blocks, **options, **call)
     expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
     assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.dtype == q.dtype
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
@@ -94,7 +113,7 @@ def _check_fp32(case, **call):
         return jnp.sum(out.astype(jnp.float32) * weights)
 
     argnums = tuple(range(len(args)))
-    ours = jax.grad(lambda *a: loss(ops.flash_attention_varlen, *a, blocks=SMALL, **call), argnums)(*args)
+    ours = jax.grad(lambda *a: loss(ops.flash_attention_varlen, *a, blocks=blocks, **call), argnums)(*args)
     theirs = jax.grad(lambda *a: loss(reference.attention_varlen, *a), argnums)(*args)
     for name, got, want in zip(("q", "k", "v", "sinks"), ours, theirs):
         assert got.shape == want.shape and got.dtype == want.dtype, name

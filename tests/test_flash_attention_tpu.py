@@ -12,9 +12,10 @@ from flash_attention import ops, tuning
 from flash_attention._shared.generations import GENERATIONS
 
 # (generation, tokens, Hq, Hkv, D, Dv, dtype, options): every generation at Llama-3-8B's
-# attention, then each head dim, f32, every option once and a long packed batch, spread over
-# the generations.
-CASES = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
+# attention (`make test`), then each head dim, f32, every option once and a long packed batch,
+# spread over the generations (`make check-compile`: CHECK_ALL_COMPILES=1).
+SAMPLE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS]
+MORE = [
     ("v5e", 1024, 8, 8, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     ("v5p", 1024, 8, 2, 80, 80, jnp.bfloat16, dict(causal=True)),
     # MQA on a megacore: each kernel's steps in two halves, one per core; dq in its own kernel.
@@ -27,6 +28,7 @@ CASES = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GE
     # 128k tokens: the rule grows the blocks until the step list fits SMEM; dq gets its own kernel.
     ("v5e", 131072, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)),
 ]
+CASES = SAMPLE + (MORE if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-{c[2]}x{c[3]}-d{c[4]}-{jnp.dtype(c[6]).name}")

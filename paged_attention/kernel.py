@@ -1,0 +1,259 @@
+"""Ragged paged attention: a Pallas TPU kernel that reads K and V where they lie in a paged cache.
+
+Layout. As in flash attention, the G query heads of one KV head are stacked
+as rows, token-major: q [T, Hq, D] is seen as [Hkv, T * G, D], so one K/V
+chunk serves every head of its group in one matmul. The caches stay in
+their own layout [pages, page_size, Hkv, D] in HBM; a step copies the pages
+of one chunk (`pages_per_block` pages of one sequence) for its KV head into
+VMEM, one DMA per page, while the previous chunk is computed (two buffers).
+
+Grid (Hkv, steps). The packed query tokens are cut into blocks of block_q
+tokens; a block holds the tokens of one or more sequences. A step pairs a
+query block with one chunk of one of its sequences' pages, and the steps
+of a block are consecutive, so its softmax statistics and accumulator stay
+in VMEM from its first step to its last (`ops.make_schedule`, on the
+device). Chunks a block's rows cannot see (past its last token's position,
+before a window) are not on the grid; pages past a sequence's length are
+never copied. A block with no live token gets one step, to write its zeros.
+
+Masking. Each row carries the range of keys it sees as positions in a
+"global" key space where sequence s's position j is s * max_len + j
+(max_len: pages_per_seq * page_size), so one compare per bound also keeps
+a row to its own sequence. Statistics are f32 in base 2, as in flash
+attention; a sink enters as the softmax's starting max and sum.
+Quantized caches: K's scale is folded into the softmax scale, V's applied
+to the output, so the chunks enter the matmuls as they are stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._shared.attention_math import LANES, LOG2E, MASKED, as_columns, dot, lanes, scores
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_q: int  # query tokens per block (its rows are block_q * G)
+    pages_per_block: int  # pages per K/V chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The static part of a call."""
+    scale: float  # the softmax scale times k_scale
+    softcap: float  # 0: none
+    has_sinks: bool
+    groups: int  # query heads per KV head (G)
+    v_scale: float  # 1: none
+    page_size: int
+    max_len: int  # pages_per_seq * page_size: the stride of the global key positions
+
+
+def _kernel(step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar prefetch
+            pages_now, pages_next, q_ref, lo_ref, hi_ref, sink_ref, k_hbm, v_hbm,  # inputs
+            o_ref,  # output
+            k_buf, v_buf, sems, m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
+            *, opts: Options, blocks: BlockSizes):
+    i = pl.program_id(0)
+    count = pl.num_programs(0)
+    ppb, page_size = blocks.pages_per_block, opts.page_size
+    chunk = ppb * page_size
+    slot = i % 2
+
+    def copies(step, pages, into):
+        """The chunk's page copies, each with whether it runs (pages past the sequence's length do not)."""
+        seq = step_seq[step]
+        pages_used = jnp.clip(pl.cdiv(kv_lens[seq] - step_chunk[step] * chunk, page_size), 0, ppb)
+        # A page index out of range is never copied (ops reports it: the output is NaN).
+        in_range = lambda page: (page >= 0) & (page < k_hbm.shape[0])
+        return [((p < pages_used) & in_range(pages[0, p]),
+                 pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, p], sems.at[kind, into]))
+                for p in range(ppb) for kind, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+    def start(step, pages, into):
+        for runs, copy in copies(step, pages, into):
+            pl.when(runs)(copy.start)
+
+    def wait(step, pages, into):
+        for runs, copy in copies(step, pages, into):
+            pl.when(runs)(copy.wait)
+
+    @pl.when((i == 0) & (step_works[i] == 1))
+    def _first_copy():
+        start(i, pages_now, slot)
+
+    # The next step's chunk is copied while this one computes.
+    nxt = jnp.minimum(i + 1, step_block.shape[0] - 1)
+
+    @pl.when((i + 1 < count) & (step_works[nxt] == 1))
+    def _next_copy():
+        start(nxt, pages_next, 1 - slot)
+
+    block = step_block[i]
+    first_of_block = (i == 0) | (step_block[jnp.maximum(i - 1, 0)] != block)
+    last_of_block = (i + 1 == count) | (step_block[nxt] != block)
+
+    @pl.when(first_of_block)
+    def _init():
+        lo_cols[...] = as_columns(lo_ref[...])
+        hi_cols[...] = as_columns(hi_ref[...])
+        if opts.has_sinks:
+            m_ref[...] = jnp.broadcast_to(sink_ref[...] * LOG2E, m_ref.shape)
+            l_ref[...] = jnp.ones_like(l_ref)
+        else:
+            m_ref[...] = jnp.full_like(m_ref, MASKED)
+            l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(step_works[i] == 1)
+    def _step():
+        wait(i, pages_now, slot)
+        seq, first = step_seq[i], step_chunk[i] * chunk
+        first_key = seq * opts.max_len + first
+        cols = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], chunk), 1)
+        visible = (cols >= lanes(lo_cols[...] - first_key, chunk)) & (cols <= lanes(hi_cols[...] - first_key, chunk))
+        # Rows of pages past the sequence's length hold whatever the cache (or an earlier chunk) left:
+        # their scores are masked, and their values zeroed so that 0 * garbage cannot be NaN.
+        stored = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_lens[seq] - first
+        for h in range(q_ref.shape[0]):  # the KV heads: a page holds them all
+            q = q_ref[h]
+            k = k_buf[slot, :, :, h, :].reshape(chunk, k_buf.shape[4]).astype(q.dtype)
+            v = jnp.where(stored, v_buf[slot, :, :, h, :].reshape(chunk, v_buf.shape[4]).astype(q.dtype), 0)
+            s = jnp.where(visible, scores(q, k, opts.scale, opts.softcap)[0], MASKED)
+            m_prev = m_ref[h]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            # A row that has seen no key yet (m_new still MASKED) gets p = 1 for its hidden keys here:
+            # the first key it sees scales them away (alpha = 0), and _finish zeroes a row that sees none.
+            p = jnp.exp2(s - lanes(m_new, chunk))
+            alpha = jnp.exp2(m_prev - m_new)
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+            acc_ref[h] = lanes(alpha, acc_ref.shape[2]) * acc_ref[h] + dot(p.astype(v.dtype), v, 1, 0)
+            m_ref[h] = m_new
+
+    @pl.when(last_of_block)
+    def _finish():
+        width = acc_ref.shape[2]
+        for h in range(o_ref.shape[0]):
+            m, l = m_ref[h], l_ref[h]
+            # A row saw a key or a sink; a NaN score (which a max may skip, a sum does not) is passed on.
+            seen = (m != MASKED) | jnp.isnan(l)
+            l = jnp.where(seen, l, 1.0) / opts.v_scale
+            o_ref[h] = jnp.where(lanes(seen, width), acc_ref[h] / lanes(l, width), 0.0).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, row_hi, sink_rows, schedule, *,
+                           opts: Options, blocks: BlockSizes, interpret):
+    """o [Hkv, T*G, Dv] in q's dtype.
+
+    q [Hkv, T*G, D] (T a multiple of block_q); k_cache [pages, page_size, Hkv, D],
+    v_cache [.., Dv]; kv_lens [S] int32; page_chunks [S, chunks, 1, pages_per_block] int32
+    (a sequence's page table cut in chunks); row_lo, row_hi [1, T*G] int32 (global key
+    positions); sink_rows [Hkv, block_q*G, 1] f32; schedule: `ops.make_schedule`'s step arrays.
+    """
+    hkv, rows, d = q.shape
+    dv = v_cache.shape[3]
+    rows_per_block = blocks.block_q * opts.groups
+    ppb, page_size = blocks.pages_per_block, opts.page_size
+    steps = schedule.count
+    last = schedule.block.shape[0] - 1
+
+    def q_block(i, block, *_):
+        return 0, block[i], 0
+
+    def row_block(i, block, *_):
+        return 0, block[i]
+
+    def chunk_now(i, block, seq, chunk, *_):
+        return seq[i], chunk[i], 0, 0
+
+    def chunk_next(i, block, seq, chunk, *_):
+        n = jnp.minimum(i + 1, last)
+        return seq[n], chunk[n], 0, 0
+
+    smem_chunk = lambda index_map: pl.BlockSpec((None, None, 1, ppb), index_map, memory_space=pltpu.SMEM)
+    return pl.pallas_call(
+        functools.partial(_kernel, opts=opts, blocks=blocks),
+        out_shape=jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(steps,),
+            in_specs=[
+                smem_chunk(chunk_now),
+                smem_chunk(chunk_next),
+                pl.BlockSpec((hkv, rows_per_block, d), q_block),
+                pl.BlockSpec((1, rows_per_block), row_block),
+                pl.BlockSpec((1, rows_per_block), row_block),
+                pl.BlockSpec((hkv, rows_per_block, 1), lambda *_: (0, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((hkv, rows_per_block, dv), q_block),
+            scratch_shapes=[
+                pltpu.VMEM((2, ppb, page_size, hkv, d), k_cache.dtype),
+                pltpu.VMEM((2, ppb, page_size, hkv, dv), v_cache.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),  # (K or V, buffer)
+                pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # m
+                pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # l
+                pltpu.VMEM((hkv, rows_per_block, dv), jnp.float32),  # acc
+                pltpu.VMEM((rows_per_block, LANES), jnp.int32),  # lo
+                pltpu.VMEM((rows_per_block, LANES), jnp.int32),  # hi
+            ],
+        ),
+        # The steps carry the K/V copies from one to the next: they run in order on one core.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(schedule.block, schedule.seq, schedule.chunk, schedule.works, kv_lens,
+      page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_cache, v_cache)
+
+
+# ---------------------------------------------------------------- cache write
+
+TOKENS_PER_WRITE_STEP = 8  # the copies one grid step starts before it waits for them
+
+
+def _write_kernel(slots, key_ref, value_ref, _k_in, _v_in, k_out, v_out, sems, *, page_size: int):
+    step = pl.program_id(0)
+    num_slots = k_out.shape[0] * page_size
+    copies = []
+    for j in range(TOKENS_PER_WRITE_STEP):
+        t = step * TOKENS_PER_WRITE_STEP + j
+        slot = slots[t]
+        page, row = slot // page_size, slot % page_size
+        runs = (slot >= 0) & (slot < num_slots)  # -1: padding; past the cache: reported by ops, never written
+        for src, dst, sem in ((key_ref, k_out, sems.at[0]), (value_ref, v_out, sems.at[1])):
+            copies.append((runs, pltpu.make_async_copy(src.at[t], dst.at[page, row], sem)))
+    for runs, copy in copies:
+        pl.when(runs)(copy.start)
+    for runs, copy in copies:
+        pl.when(runs)(copy.wait)
+
+
+def write_cache(key, value, k_cache, v_cache, slots, *, interpret):
+    """(k_cache, v_cache) with key[t], value[t] ([T, Hkv, D], in the caches' dtypes; T a
+    multiple of TOKENS_PER_WRITE_STEP) copied to slot slots[t] (page * page_size + row), in
+    place: the caches are aliased to the outputs."""
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_write_kernel, page_size=k_cache.shape[1]),
+        out_shape=(jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(key.shape[0] // TOKENS_PER_WRITE_STEP,),
+            in_specs=[any_space] * 4,
+            out_specs=[any_space] * 2,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
+        ),
+        input_output_aliases={3: 0, 4: 1},  # operand indices count the scalar prefetch
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+        name="reshape_and_cache",
+    )(slots, key, value, k_cache, v_cache)

@@ -1,0 +1,232 @@
+"""JAX entry points: ragged paged attention over a paged KV cache, and the cache write.
+
+`ragged_paged_attention` attends the new tokens of many sequences, packed
+back to back (`cu_q_lens`), over each sequence's pages of the cache
+(`page_indices`, `kv_lens`): decode (one token), prefill and chunked
+prefill mix in one call. `reshape_and_cache_flash` writes new tokens' K
+and V into the cache at their slots. Names, arguments and semantics follow
+vLLM's ops, so engine code ports over: a sequence's new tokens are its last
+positions and attend causally; `sliding_window=W` lets the query at
+position p see keys p - W + 1 .. p; `softcap` c maps a scaled score s to
+c * tanh(s / c); a sink (one logit per query head) adds exp(sink) to the
+softmax's denominator only; a quantized cache holds value / scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._shared.attention_math import heads_as_rows, rows_as_heads
+from ._shared.generations import default_interpret
+from ._shared.tuning import round_up
+from .kernel import TOKENS_PER_WRITE_STEP, BlockSizes, Options, write_cache
+from .kernel import ragged_paged_attention as _kernel_call
+
+NO_KEY = jnp.iinfo(jnp.int32).max // 2  # a row_lo no key reaches: the row sees nothing
+CACHE_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int8)
+QUERY_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Schedule:
+    """The kernel's grid steps: per step, its query block, sequence and chunk of that sequence's
+    pages, and whether it computes (a block with no live token gets one step that only writes
+    zeros); `count` steps run."""
+    block: jax.Array  # [max steps] int32
+    seq: jax.Array
+    chunk: jax.Array
+    works: jax.Array  # 1: the step computes
+    count: jax.Array  # () int32
+
+
+def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, chunk: int, num_chunks: int,
+                  sliding_window: int | None) -> Schedule:
+    """The steps, on the device. num_tokens: the padded token count (a multiple of block_q);
+    chunk: keys per chunk; num_chunks: chunks per sequence at most."""
+    num_blocks = num_tokens // block_q
+    max_seqs = kv_lens.shape[0]
+    live = jnp.arange(max_seqs) < num_seqs
+    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
+    q_len = jnp.where(live, q_end - q_start, 0)
+    first_block, last_block = q_start // block_q, (q_end - 1) // block_q
+    # (block, sequence) pairs, sequence-major, which is block-major too: a sequence's tokens follow
+    # the previous one's. Then one pair per block that holds no live token.
+    seq_pairs = jnp.where(q_len > 0, last_block - first_block + 1, 0)
+    seq_pair_end = jnp.cumsum(seq_pairs)
+    total_seq_pairs = seq_pair_end[-1]
+    live_blocks = pl.cdiv(cu_q_lens[jnp.minimum(num_seqs, max_seqs)], block_q)
+    max_pairs = num_blocks + max_seqs
+    p = jnp.arange(max_pairs, dtype=jnp.int32)
+    s = jnp.clip(jnp.searchsorted(seq_pair_end, p, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+    is_seq_pair = p < total_seq_pairs
+    b = jnp.where(is_seq_pair, first_block[s] + p - (seq_pair_end[s] - seq_pairs[s]),
+                  live_blocks + p - total_seq_pairs)
+    is_pad_pair = ~is_seq_pair & (b < num_blocks)
+    # The positions of the pair's first and last rows, and the chunks they see.
+    offset = kv_lens[s] - q_len[s] - q_start[s]  # token t of sequence s is at position t + offset
+    pos_first = jnp.maximum(q_start[s], b * block_q) + offset
+    pos_last = jnp.minimum(q_end[s], (b + 1) * block_q) - 1 + offset
+    key_first = jnp.maximum(pos_first - sliding_window + 1, 0) if sliding_window else jnp.zeros_like(pos_first)
+    chunk_first = jnp.where(is_seq_pair, jnp.clip(key_first // chunk, 0, num_chunks - 1), 0)
+    chunk_last = jnp.clip(pos_last // chunk, 0, num_chunks - 1)
+    steps = jnp.where(is_seq_pair, jnp.maximum(chunk_last - chunk_first + 1, 1), is_pad_pair.astype(jnp.int32))
+    step_end = jnp.cumsum(steps)
+    max_steps = max_pairs * num_chunks
+    count = jnp.clip(step_end[-1], 0, max_steps)  # inconsistent index arrays cannot run the grid past the arrays
+    i = jnp.arange(max_steps, dtype=jnp.int32)
+    pair = jnp.clip(jnp.searchsorted(step_end, i, side="right"), 0, max_pairs - 1)
+    in_pair = i - (step_end[pair] - steps[pair])
+    block = jnp.clip(b[pair], 0, num_blocks - 1)
+    return Schedule(block.astype(jnp.int32), jnp.where(is_seq_pair[pair], s[pair], 0).astype(jnp.int32),
+                    jnp.clip(chunk_first[pair] + in_pair, 0, num_chunks - 1).astype(jnp.int32),
+                    (is_seq_pair[pair] & (i < count)).astype(jnp.int32), count.astype(jnp.int32))
+
+
+def token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens: int, max_len: int, sliding_window: int | None):
+    """[num_tokens] int32 (lo, hi): the keys each token sees, as global positions (kernel.py);
+    a token past the live sequences' sees none (lo > hi)."""
+    max_seqs = kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
+    live = (t < cu_q_lens[jnp.minimum(num_seqs, max_seqs)]) & (seq < num_seqs)
+    position = t - cu_q_lens[seq] + kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq])
+    first = jnp.maximum(position - sliding_window + 1, 0) if sliding_window else jnp.zeros_like(position)
+    return jnp.where(live, seq * max_len + first, NO_KEY), jnp.where(live, seq * max_len + position, -1)
+
+
+def inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, num_tokens: int, num_pages: int, max_len: int):
+    """() bool, on the device: the index arrays describe the live sequences consistently, and
+    every page they use is in the cache. Invalid ones make the output NaN (no kernel reads
+    outside its inputs whatever they hold): a report without a device-to-host round trip."""
+    max_seqs = kv_lens.shape[0]
+    live = jnp.arange(max_seqs) < num_seqs
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]
+    page_size = max_len // page_indices.shape[1]
+    used = jnp.arange(page_indices.shape[1])[None, :] < pl.cdiv(kv_lens, page_size)[:, None]
+    pages_ok = (page_indices >= 0) & (page_indices < num_pages)
+    return ((cu_q_lens[0] == 0) & (num_seqs >= 0) & (num_seqs <= max_seqs)
+            & jnp.all(~live | ((q_len >= 0) & (q_len <= kv_lens) & (kv_lens <= max_len)))
+            & (cu_q_lens[jnp.clip(num_seqs, 0, max_seqs)] <= num_tokens)
+            & jnp.all(~(live[:, None] & used) | pages_ok))
+
+
+
+
+def _check(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
+    """Shapes and dtypes, at trace time: a clear error naming the argument."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got shape {q.shape}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.ndim != 4:
+            raise ValueError(f"{name} must be [pages, page_size, kv_heads, head_dim], got shape {cache.shape}")
+        if cache.dtype not in CACHE_DTYPES:
+            raise TypeError(f"{name} must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {cache.dtype}")
+    if q.dtype not in QUERY_DTYPES:
+        raise TypeError(f"q must be bfloat16 or float32, got {q.dtype}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in pages, page_size or kv_heads")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"q's head_dim {q.shape[2]} differs from k_cache's {k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q's {q.shape[1]} heads are not a multiple of the cache's {k_cache.shape[2]} KV heads")
+    max_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+    for name, array, shape in (("kv_lens", kv_lens, (max_seqs,)), ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
+                               ("page_indices", page_indices, (max_seqs, page_indices.shape[-1]))):
+        if array.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {array.dtype}")
+        if array.shape != shape or max_seqs < 1:
+            raise ValueError(f"{name} has shape {array.shape}; with kv_lens [S] it must be {shape}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [{q.shape[1]}] (one per query head), got {sinks.shape}")
+
+
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, softmax_scale=None,
+                           sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None,
+                           blocks: BlockSizes | None = None, generation: str | None = None, interpret=None):
+    """Attention of the new tokens q [T, Hq, D] over the paged caches k_cache, v_cache
+    [pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 with k_scale / v_scale).
+
+    kv_lens [S] int32: each sequence's tokens, the new ones included; page_indices
+    [S, pages_per_seq] int32; cu_q_lens [S + 1] int32: where each sequence's new tokens are
+    in q; num_seqs: the live sequences (an int or a [1] / () int32 array; the arrays may be
+    padded past it). Returns [T, Hq, D] in q's dtype; tokens past the live sequences' get
+    zeros. Index values are checked on the device: invalid ones make the output NaN.
+    """
+    _check(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"softcap must be positive (or None / 0), got {softcap}")
+    t, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_cache.shape
+    groups = hq // hkv
+    interpret = default_interpret() if interpret is None else interpret
+    if blocks is None:
+        blocks = BlockSizes(block_q=max(8, 128 // groups), pages_per_block=max(1, 512 // page_size))
+    max_len = page_indices.shape[1] * page_size
+    scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
+    opts = Options(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
+                   has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
+                   page_size=page_size, max_len=max_len)
+    num_tokens = round_up(max(t, 1), blocks.block_q)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    chunks = -(-page_indices.shape[1] // blocks.pages_per_block)
+    page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
+    page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
+    schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
+                             blocks.pages_per_block * page_size, chunks, sliding_window)
+    lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, max_len, sliding_window)
+    sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
+    sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)
+    out = _kernel_call(heads_as_rows(q, groups, num_tokens), k_cache, v_cache, kv_lens, page_chunks,
+                       jnp.repeat(lo, groups)[None, :], jnp.repeat(hi, groups)[None, :], sink_rows, schedule,
+                       opts=opts, blocks=blocks, interpret=interpret)
+    valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, max_len)
+    return jnp.where(valid, rows_as_heads(out, groups, t), jnp.nan)
+
+
+def quantize(x, dtype, scale):
+    """x as a cache of `dtype` stores it: x / scale (scale None: 1), rounded; int8 to the
+    nearest integer and fp8 to the nearest value, each saturated at its largest magnitude."""
+    x = x.astype(jnp.float32) / (1.0 if scale is None else float(scale))
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return jnp.clip(jnp.round(x), info.min, info.max).astype(dtype)
+    if dtype == jnp.float8_e4m3fn:
+        largest = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -largest, largest)
+    return x.astype(dtype)
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, *,
+                            interpret=None):
+    """(key_cache, value_cache) with the new tokens' key and value [T, Hkv, D] written at
+    slot_mapping [T] int32 (page * page_size + row; -1: padding, skipped), quantized with
+    k_scale / v_scale for fp8 and int8 caches. The caches are aliased to the results: under
+    jax.jit with the caches donated, they are written in place. A slot past the cache is
+    never written (check values on the host before the call where they are there)."""
+    for name, new, cache in (("key", key, key_cache), ("value", value, value_cache)):
+        if new.ndim != 3 or cache.ndim != 4 or new.shape[1:] != cache.shape[2:]:
+            raise ValueError(f"{name} {new.shape} must be [tokens, kv_heads, head_dim] matching the cache's "
+                             f"[pages, page_size, kv_heads, head_dim] {cache.shape}")
+        if cache.dtype not in CACHE_DTYPES:
+            raise TypeError(f"{name}_cache must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, "
+                            f"got {cache.dtype}")
+    if key_cache.shape[:2] != value_cache.shape[:2]:
+        raise ValueError(f"key_cache {key_cache.shape} and value_cache {value_cache.shape} differ in pages or "
+                         "page_size")
+    if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != key.shape[:1] or value.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping must be int32 [{key.shape[0]}] (one slot per token of key and value), got "
+                         f"{slot_mapping.dtype} {slot_mapping.shape} for value tokens {value.shape[0]}")
+    interpret = default_interpret() if interpret is None else interpret
+    t = key.shape[0]
+    padded = round_up(max(t, 1), TOKENS_PER_WRITE_STEP)
+    pad = lambda x, fill=0: jnp.pad(x, ((0, padded - t),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
+    return write_cache(pad(quantize(key, key_cache.dtype, k_scale)), pad(quantize(value, value_cache.dtype, v_scale)),
+                       key_cache, value_cache, pad(slot_mapping, -1), interpret=interpret)

@@ -1,0 +1,72 @@
+"""Plain-JAX ragged paged attention in f32, token by token: what the kernels must match."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           softmax_scale=None, sliding_window=None, softcap=None, sinks=None,
+                           k_scale=None, v_scale=None):
+    """Same contract as ops.ragged_paged_attention, but returns f32; the index arrays are host values.
+
+    Token t of sequence s (cu_q_lens[s] <= t < cu_q_lens[s + 1]) is at position
+    kv_lens[s] - q_len + (t - cu_q_lens[s]) of its sequence and sees the
+    positions up to its own (and, with a window W, no earlier than W - 1
+    before it). Key position j of sequence s is row j % page_size of page
+    page_indices[s, j // page_size].
+    """
+    kv_lens, page_indices, cu_q = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
+    num_seqs = int(np.asarray(num_seqs).reshape(-1)[0])
+    t_total, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    f32 = lambda x, s: x.astype(jnp.float32) * (1.0 if s is None else s)
+    out = np.zeros((t_total, hq, v_cache.shape[3]), np.float32)
+    for s in range(num_seqs):
+        first, end = int(cu_q[s]), int(cu_q[s + 1])
+        if end == first:
+            continue
+        length = int(kv_lens[s])
+        pages = page_indices[s, : -(-length // page_size)]
+        keys = f32(k_cache[pages], k_scale).reshape(-1, hkv, d)[:length]
+        values = f32(v_cache[pages], v_scale).reshape(-1, hkv, v_cache.shape[3])[:length]
+        keys, values = (jnp.repeat(x, hq // hkv, axis=1) for x in (keys, values))
+        scores = jnp.einsum("qhd,khd->hqk", q[first:end].astype(jnp.float32), keys,
+                            precision=jax.lax.Precision.HIGHEST) * scale
+        if softcap:
+            scores = softcap * jnp.tanh(scores / softcap)
+        position = length - (end - first) + np.arange(end - first)[:, None]
+        key = np.arange(length)[None, :]
+        allowed = key <= position
+        if sliding_window:
+            allowed &= key > position - sliding_window
+        scores = jnp.where(allowed, scores, -jnp.inf)
+        top = jnp.max(scores, axis=2, keepdims=True)
+        if sinks is not None:
+            top = jnp.maximum(top, sinks.astype(jnp.float32)[:, None, None])
+        weights = jnp.exp(scores - top)
+        total = jnp.sum(weights, axis=2, keepdims=True)
+        if sinks is not None:
+            total = total + jnp.exp(sinks.astype(jnp.float32)[:, None, None] - top)
+        o = jnp.einsum("hqk,khd->qhd", weights / total, values, precision=jax.lax.Precision.HIGHEST)
+        out[first:end] = np.asarray(o)
+    return jnp.asarray(out)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, quantize):
+    """(key_cache, value_cache) with token t written at slot slot_mapping[t] (page * page_size +
+    row); slots of -1 skipped. quantize(x, cache): x as the cache stores it."""
+    slots = np.asarray(slot_mapping)
+    keep = slots >= 0
+
+    def write(cache, new):
+        flat = np.array(cache.astype(jnp.float32)).reshape(-1, *cache.shape[2:])
+        flat[slots[keep]] = np.asarray(quantize(new[keep], cache).astype(jnp.float32))
+        return jnp.asarray(flat.reshape(cache.shape)).astype(cache.dtype)
+
+    return write(key_cache, key), write(value_cache, value)

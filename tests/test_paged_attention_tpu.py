@@ -1,0 +1,68 @@
+"""paged_attention compiled by libtpu (Mosaic and XLA:TPU, ahead of time) for each TPU
+generation, within each chip's VMEM: a serving step of 1024 new tokens over 256 sequences with
+room for 32k tokens of context each, and the cache write, in place."""
+
+import os
+
+import jax.numpy as jnp
+import pytest
+import tpu_compile
+
+from paged_attention import ops
+from paged_attention._shared.generations import GENERATIONS
+
+SERVING = dict(tokens=1024, seqs=256, context=32768)
+
+# (generation, Hq, Hkv, D, page size, cache dtype, options): every generation at Llama-3-8B's
+# attention with 16-token pages (`make test`), then each cache dtype, page size and head dim
+# once (`make check-compile`: CHECK_ALL_COMPILES=1).
+SAMPLE = [(g, 32, 8, 128, 16, jnp.bfloat16, {}) for g in GENERATIONS]
+MORE = [
+    ("v6e", 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
+    ("v5e", 64, 8, 64, 32, jnp.int8, dict(sliding_window=128, sinks=True)),
+    ("tpu7x", 16, 8, 256, 256, jnp.bfloat16, dict(softcap=30.0)),
+    ("v5p", 8, 1, 128, 64, jnp.bfloat16, {}),
+]
+CASES = SAMPLE + (MORE if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-page{c[4]}-{jnp.dtype(c[5]).name}")
+def test_attention_compiles(case):
+    generation, hq, hkv, d, page_size, cache_dtype, options = case
+    options = dict(options)
+    has_sinks = options.pop("sinks", False)
+    quantized = cache_dtype in (jnp.float8_e4m3fn, jnp.int8)
+
+    def attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks):
+        return ops.ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                          sinks=sinks if has_sinks else None, k_scale=0.5 if quantized else None,
+                                          v_scale=0.5 if quantized else None, generation=generation, interpret=False,
+                                          **options)
+
+    pages_per_seq = SERVING["context"] // page_size
+    num_pages = SERVING["seqs"] * pages_per_seq // 8  # the pool a server shares among its sequences
+    cache = ((num_pages, page_size, hkv, d), cache_dtype)
+    specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
+             ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
+             ((hq,), jnp.float32)]
+    report = tpu_compile.compile_for(attend, specs, generation, "ragged_paged_attention")
+    assert report.kernels
+    for kernel in report.kernels.values():
+        assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
+
+
+@pytest.mark.parametrize("generation,cache_dtype", [("v6e", jnp.bfloat16), ("v5e", jnp.float8_e4m3fn)])
+def test_cache_write_compiles_in_place(generation, cache_dtype):
+    """With the caches donated (as an engine's step does), the write kernel updates them where
+    they are: no copy of a cache in the program."""
+    scale = None if cache_dtype == jnp.bfloat16 else 0.5
+
+    def write(key, value, k_cache, v_cache, slots):
+        return ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, scale, scale, interpret=False)
+
+    cache = ((4096, 16, 8, 128), cache_dtype)
+    specs = [((1000, 8, 128), jnp.bfloat16), ((1000, 8, 128), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
+    report = tpu_compile.compile_for(write, specs, generation, "reshape_and_cache", donate_argnums=(2, 3))
+    ops_compiled = list(report.schedules) + list(report.kernels)
+    assert any("reshape_and_cache" in op for op in ops_compiled), ops_compiled
+    assert not any(op.startswith("copy") for op in ops_compiled), ops_compiled
