@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) kernels/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 build: $(STAMP)
 	$(PY) kernels/build_collection.py

@@ -11,11 +11,12 @@ import tpu_compile
 from flash_attention import ops, tuning
 from flash_attention._shared.generations import GENERATIONS
 
-# (generation, tokens, Hq, Hkv, D, Dv, dtype, options): every generation at Llama-3-8B's
-# attention (`make test`), then each head dim, f32, every option once and a long packed batch,
-# spread over the generations (`make check-compile`: CHECK_ALL_COMPILES=1).
-SAMPLE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS]
-MORE = [
+# (generation, tokens, Hq, Hkv, D, Dv, dtype, options). `make test` compiles each generation
+# at a small MHA shape (one 512 x 512 block: seconds, where large blocks' unrolled code takes
+# libtpu minutes); `make check-compile` (CHECK_ALL_COMPILES=1) adds Llama-3-8B's attention on
+# every generation, each head dim, f32, every option once and long packed batches.
+SAMPLE = [(g, 512, 8, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS]
+MORE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
     ("v5e", 1024, 8, 8, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     ("v5p", 1024, 8, 2, 80, 80, jnp.bfloat16, dict(causal=True)),
     # MQA on a megacore: each kernel's steps in two halves, one per core; dq in its own kernel.
@@ -46,23 +47,21 @@ def tuned_entries():
     return [(gen, key, rows_keys) for gen, table in tuning.TUNED.items() for key, rows_keys in table.items()]
 
 
-def tuned_sample():
-    """Per generation, the entry with the largest score block times head_dim."""
-    biggest = {}
-    for gen, key, (rows, keys) in tuned_entries():
-        if rows * keys * key[0] > biggest.get(gen, (0,))[0]:
-            biggest[gen] = (rows * keys * key[0], key, (rows, keys))
-    return [(gen, key, rows_keys) for gen, (_, key, rows_keys) in sorted(biggest.items())]
-
-
-@pytest.mark.parametrize("generation,key,rows_keys",
-                         tuned_entries() if os.environ.get("FLASH_CHECK_ALL_TUNED") == "1" else tuned_sample())
-def test_tuned_entry_is_chosen_and_compiles(generation, key, rows_keys):
-    """At its own head_dim, G and length (2 KV heads: VMEM does not depend on the head count);
-    `make check-tuned` compiles every entry, `make test` a sample."""
+@pytest.mark.parametrize("generation,key,rows_keys", tuned_entries())
+def test_tuned_entry_is_chosen(generation, key, rows_keys):
+    """A call at an entry's own head_dim, G and length gets the entry's blocks."""
     d, groups, tokens = key
     blocks = tuning.choose_blocks(tokens, tokens, d, d, groups, 2, generation)
     assert (blocks.block_q * groups, blocks.block_k) == rows_keys
+
+
+@pytest.mark.parametrize("generation,key,rows_keys",
+                         tuned_entries() if os.environ.get("FLASH_CHECK_ALL_TUNED") == "1" else [])
+def test_tuned_entry_compiles(generation, key, rows_keys):
+    """`make check-tuned`: every entry compiles at its own shape (2 KV heads: VMEM does not depend
+    on the head count). `make tune-flash` compiled each when it rated it; a tuned entry's large
+    blocks take libtpu minutes, so `make test` compiles the small per-generation sample above."""
+    d, groups, tokens = key
     compile_forward_backward(generation, tokens, 2 * groups, 2, d, d, jnp.bfloat16, dict(causal=True))
 
 

@@ -1,6 +1,8 @@
 """Layers 2 and 3: TPU semantics in the TPU interpreter, and real
 compilation for v5e, v5p, v6e and tpu7x with libtpu (no TPU needed)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,8 +106,19 @@ def _assert_training_kernels_fit(report, generation):
         assert kernel_report.vmem_bytes <= GENERATIONS[generation].vmem_bytes, (name, kernel_report)
 
 
-@pytest.mark.parametrize("tokens", [64, 8192], ids=["decode64", "prefill8192"])
-@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+# `make test` compiles a sample: each generation's training step at prefill (all three kernels),
+# a decode forward and gpt-oss's layout on one generation; `make check-compile` (CHECK_ALL_COMPILES=1) every case.
+ALL_COMPILES = os.environ.get("CHECK_ALL_COMPILES") == "1"
+
+
+def _cases(cases, sample):
+    return [pytest.param(*c, id="-".join(map(str, c))) for c in (cases if ALL_COMPILES else sample)]
+
+
+EVERY_GENERATION_AND_SIZE = [(g, t) for g in sorted(GENERATIONS) for t in (64, 8192)]
+
+
+@pytest.mark.parametrize("generation,tokens", _cases(EVERY_GENERATION_AND_SIZE, [("v6e", 64)]))
 def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
     h, i, e, k = (QWEN3_30B[key] for key in ("hidden", "intermediate", "experts", "top_k"))
     specs = _experts_specs(tokens, **QWEN3_30B)
@@ -130,8 +143,8 @@ def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
     assert all(u >= 0.5 * need for u, need in zip(used, sorted(needs))), (used, needs)
 
 
-@pytest.mark.parametrize("tokens", [64, 8192], ids=["decode64", "prefill8192"])
-@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+@pytest.mark.parametrize("generation,tokens",
+                         _cases(EVERY_GENERATION_AND_SIZE, [(g, 8192) for g in sorted(GENERATIONS)]))
 def test_experts_backward_compiles_and_fits_vmem(generation, tokens):
     """The training step's kernels: forward, activations' gradient (the same
     kernel, layout flipped) and weights' gradient, all compiled together."""
@@ -150,8 +163,8 @@ def test_experts_backward_compiles_and_fits_vmem(generation, tokens):
 ODD = dict(hidden=2880, intermediate=1408, experts=60, top_k=4)
 
 
-@pytest.mark.parametrize("tokens", [37, 3000], ids=["decode37", "prefill3000"])
-@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+@pytest.mark.parametrize("generation,tokens",
+                         _cases([(g, t) for g in sorted(GENERATIONS) for t in (37, 3000)], [("v6e", 3000)]))
 def test_odd_shapes_forward_and_backward_compile(generation, tokens):
 
     def loss(hidden, index, weights, up, down, up_bias, down_bias):  # gpt-oss's layout
