@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._shared.attention_math import LANES, LOG2E, MASKED, as_columns, dot, lanes, scores
+from ._shared.attention_math import LANES, LOG2E, MASKED, as_columns, dot, lanes, scores, start_rows
 
 # The log-sum-exp stored for a row that sees no key: exp(s - EMPTY_LSE) is 0 in the backward
 # (and EMPTY_LSE * log2(e) is still finite).
@@ -235,13 +235,7 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
     def _init():
         lo_cols[...] = as_columns(lo_ref[...])
         hi_cols[...] = as_columns(hi_ref[...])
-        if opts.has_sinks:
-            m_ref[...] = jnp.broadcast_to(sink_ref[...] * LOG2E, m_ref.shape)
-            l_ref[...] = jnp.ones_like(l_ref)
-        else:
-            m_ref[...] = jnp.full_like(m_ref, MASKED)
-            l_ref[...] = jnp.zeros_like(l_ref)
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
 
     first_key = kv_block * block_k
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._shared.attention_math import LANES, LOG2E, MASKED, as_columns, dot, lanes, scores
+from ._shared.attention_math import LANES, MASKED, as_columns, dot, lanes, scores, start_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +104,7 @@ def _kernel(step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar pre
     def _init():
         lo_cols[...] = as_columns(lo_ref[...])
         hi_cols[...] = as_columns(hi_ref[...])
-        if opts.has_sinks:
-            m_ref[...] = jnp.broadcast_to(sink_ref[...] * LOG2E, m_ref.shape)
-            l_ref[...] = jnp.ones_like(l_ref)
-        else:
-            m_ref[...] = jnp.full_like(m_ref, MASKED)
-            l_ref[...] = jnp.zeros_like(l_ref)
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
 
     @pl.when(step_works[i] == 1)
     def _step():

@@ -32,6 +32,19 @@ def scores(q, k, scale: float, softcap: float):
     return raw * (scale * LOG2E), None
 
 
+def start_rows(m_ref, l_ref, acc_ref, sink_ref, has_sinks: bool):
+    """The online softmax's state before a row's first key: max m, sum l and accumulator. A sink
+    (a logit per head, held per row in sink_ref) enters as the starting max and sum (m = sink,
+    l = 1); without one m is MASKED, so the first key seen scales the start away."""
+    if has_sinks:
+        m_ref[...] = jnp.broadcast_to(sink_ref[...] * LOG2E, m_ref.shape)
+        l_ref[...] = jnp.ones_like(l_ref)
+    else:
+        m_ref[...] = jnp.full_like(m_ref, MASKED)
+        l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+
 def as_columns(row):
     """A per-row value held lane-dense [1, rows] as a column repeated over 128 lanes
     [rows, LANES] (one transpose per block, on the XLU)."""
