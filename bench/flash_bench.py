@@ -91,7 +91,8 @@ def ours(shape: AttentionShape, tokens: int, generation: str):
 # Each anchor gets a sweep of block sizes, all under its own rules (none of them lets a caller
 # raise Mosaic's scoped VMEM but tpu-inference's); its row is the fastest that compiles. The
 # sweep reaches past where each anchor was fastest in a wider one (Llama-2-7B, 8k, v6e: all four
-# at 1024x1024); jax's default 128x128 was 7-10x slower than their best there, so it is left out. Every anchor takes [B, S, H, D] here (B = 1) and runs causal attention scaled by
+# at 1024x1024); jax's default 128x128 was 7-10x slower than their best there, so it is left
+# out. Every anchor takes [B, S, H, D] here (B = 1) and runs causal attention scaled by
 # 1/sqrt(D); what an anchor cannot do (sinks, windows, softcap, a backward) is n/a. The MHA-only
 # kernels (jax's flash_attention, tpu-inference's) anchor the MHA shapes only: GQA shapes have
 # splash and tokamax, which serve GQA natively.
@@ -332,7 +333,8 @@ def goal_rows(results: list[dict]) -> list[str]:
                          f"| {best['impl']} {best['tiling']}: {best['modeled_us']:.0f} us | {verdict} |")
         else:
             why = "none compiles or none supports it" if benched else "anchors not benched"
-            lines.append(case + f"| time no worse than the best anchor | {ours_row['modeled_us']:.0f} us | {why} | n/a |")
+            lines.append(case + f"| time no worse than the best anchor | {ours_row['modeled_us']:.0f} us "
+                         f"| {why} | n/a |")
         if tokens == GOAL_TOKENS:
             ratio = ours_row["mxu_vs_dense"]
             lines.append(case + f"| causal executes <= {MAX_EXECUTED_VS_DENSE}x dense FLOPs | {ratio:.3f}x | - "
@@ -413,7 +415,8 @@ def main(argv=None) -> int:
              for g in args.generations]
     json_path = args.out / "flash_attention.json"
     key = lambda r: (r["model"], r["tokens"], r["pass_"], r["generation"], r["impl"])
-    kept = {key(r): r for r in json.loads(json_path.read_text())} if (args.update or args.merge) and json_path.exists() else {}
+    keep_old = (args.update or args.merge) and json_path.exists()
+    kept = {key(r): r for r in json.loads(json_path.read_text())} if keep_old else {}
     if args.merge:
         for path in args.merge:
             kept.update({key(r): r for r in json.loads(path.read_text())})

@@ -143,24 +143,24 @@ def splits_diagonal(rows_per_block: int, block_k: int) -> bool:
     return rows_per_block % (2 * LANES) == 0 and block_k % (2 * LANES) == 0
 
 
-def _run_step(j, count, body, lo_max, hi_min, half_hi_max, first_key, whole: Part, split: bool):
+def _run_step(j, count, body, lo_max, hi_min, half_hi_max, q_block, first_key, whole: Part):
     """Runs the step's body if the step is in its run, with the least work the blocks need:
     body(None, whole) where every row sees every key of the block, body(BOTH, whole) where
     some row's range starts inside the block, and where every row's range starts before it but
     some ends inside (the causal diagonal) body(UPPER, ...) over the whole block or, with
-    `split`, over only the quarters (halves of the rows by halves of the keys) that some row
-    sees: on a diagonal block of as many tokens as keys, the quarter above the diagonal is
-    skipped. half_hi_max: the largest row_hi of each half of the rows."""
+    `splits_diagonal`, over only the quarters (halves of the rows by halves of the keys) that
+    some row sees: on a diagonal block of as many tokens as keys, the quarter above the diagonal
+    is skipped. lo_max, hi_min, half_hi_max: the prefetched arrays, read at query block q_block."""
     runs = j < count
-    starts_before = lo_max <= first_key
-    ends_after = hi_min >= first_key + whole.keys - 1
+    starts_before = lo_max[q_block] <= first_key
+    ends_after = hi_min[q_block] >= first_key + whole.keys - 1
     pl.when(runs & starts_before & ends_after)(lambda: body(None, whole))
     diagonal = runs & starts_before & jnp.logical_not(ends_after)
-    if not split:
+    if not splits_diagonal(whole.rows, whole.keys):
         pl.when(diagonal)(lambda: body(UPPER, whole))
     else:
         half_rows, half_keys = whole.rows // 2, whole.keys // 2
-        sees = lambda a, b: half_hi_max[a] >= first_key + b * half_keys  # rows' half a, keys' half b
+        sees = lambda a, b: half_hi_max[2 * q_block + a] >= first_key + b * half_keys  # rows' half a, keys' half b
         all_quarters = sees(0, 1) & sees(1, 1)  # (a sees its keys' second half, so its first too)
         pl.when(diagonal & all_quarters)(lambda: body(UPPER, whole))
         for a in range(2):
@@ -255,9 +255,7 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
         acc_ref[rows, :] = lanes(alpha, acc_ref.shape[1]) * acc_ref[rows, :] + dot(p.astype(v.dtype), v, 1, 0)
         m_ref[rows, :] = m_new
 
-    whole = Part(0, q_ref.shape[0], 0, block_k)
-    _run_step(j, count, step, lo_max[i], hi_min[i], (half_hi_max[2 * i], half_hi_max[2 * i + 1]), first_key, whole,
-              splits_diagonal(whole.rows, block_k))
+    _run_step(j, count, step, lo_max, hi_min, half_hi_max, i, first_key, Part(0, q_ref.shape[0], 0, block_k))
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
@@ -355,9 +353,7 @@ def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, half_
         ds = _score_grad(p, dp, lanes(di_cols[rows, :], part.keys), t, opts)
         acc_ref[rows, :] += dot(ds.astype(k.dtype), k, 1, 0)
 
-    whole = Part(0, q_ref.shape[0], 0, block_k)
-    _run_step(j, count, step, lo_max[i], hi_min[i], (half_hi_max[2 * i], half_hi_max[2 * i + 1]), first_key, whole,
-              splits_diagonal(whole.rows, block_k))
+    _run_step(j, count, step, lo_max, hi_min, half_hi_max, i, first_key, Part(0, q_ref.shape[0], 0, block_k))
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
@@ -405,10 +401,7 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min, half_h
             at = pl.ds(pl.multiple_of(q_block * rows + part.row0, LANES), part.rows)
             dq_acc[at, :] += dot(ds.astype(k.dtype), k, 0, 0)
 
-    whole = Part(0, rows, 0, block_k)
-    _run_step(i, count, step, lo_max[q_block], hi_min[q_block],
-              (half_hi_max[2 * q_block], half_hi_max[2 * q_block + 1]), first_key, whole,
-              splits_diagonal(rows, block_k))
+    _run_step(i, count, step, lo_max, hi_min, half_hi_max, q_block, first_key, Part(0, rows, 0, block_k))
 
     if fuse_dq:
         @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)

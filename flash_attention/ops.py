@@ -148,8 +148,6 @@ class _Static:
     interpret: object
 
 
-
-
 def _heads_major(x, num: int):
     """[T, Hkv, D] -> [Hkv, num, D], padded."""
     x = jnp.pad(x, ((0, num - x.shape[0]), (0, 0), (0, 0))) if num != x.shape[0] else x

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 
+from ._shared.attention_math import LANES
 from ._shared.generations import GENERATIONS
 from ._shared.tuning import round_up
-from ._shared.attention_math import LANES
 from .kernel import BlockSizes
 from .tuned_blocks import TUNED  # generation -> {table_key: (query rows, keys)}
 

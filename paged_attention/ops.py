@@ -116,6 +116,9 @@ def inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, num_tokens: int, nu
             & jnp.all(~(live[:, None] & used) | pages_ok))
 
 
+def _check_cache_dtype(name, cache):
+    if cache.dtype not in CACHE_DTYPES:
+        raise TypeError(f"{name} must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {cache.dtype}")
 
 
 def _check(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
@@ -125,8 +128,7 @@ def _check(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.ndim != 4:
             raise ValueError(f"{name} must be [pages, page_size, kv_heads, head_dim], got shape {cache.shape}")
-        if cache.dtype not in CACHE_DTYPES:
-            raise TypeError(f"{name} must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {cache.dtype}")
+        _check_cache_dtype(name, cache)
     if q.dtype not in QUERY_DTYPES:
         raise TypeError(f"q must be bfloat16 or float32, got {q.dtype}")
     if k_cache.shape[:3] != v_cache.shape[:3]:
@@ -148,7 +150,7 @@ def _check(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
 
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, softmax_scale=None,
                            sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None,
-                           blocks: BlockSizes | None = None, generation: str | None = None, interpret=None):
+                           blocks: BlockSizes | None = None, interpret=None):
     """Attention of the new tokens q [T, Hq, D] over the paged caches k_cache, v_cache
     [pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 with k_scale / v_scale).
 
@@ -210,14 +212,12 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
     slot_mapping [T] int32 (page * page_size + row; -1: padding, skipped), quantized with
     k_scale / v_scale for fp8 and int8 caches. The caches are aliased to the results: under
     jax.jit with the caches donated, they are written in place. A slot past the cache is
-    never written (check values on the host before the call where they are there)."""
+    never written, and not reported: a caller holding the slots on the host checks them there."""
     for name, new, cache in (("key", key, key_cache), ("value", value, value_cache)):
         if new.ndim != 3 or cache.ndim != 4 or new.shape[1:] != cache.shape[2:]:
             raise ValueError(f"{name} {new.shape} must be [tokens, kv_heads, head_dim] matching the cache's "
                              f"[pages, page_size, kv_heads, head_dim] {cache.shape}")
-        if cache.dtype not in CACHE_DTYPES:
-            raise TypeError(f"{name}_cache must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, "
-                            f"got {cache.dtype}")
+        _check_cache_dtype(f"{name}_cache", cache)
     if key_cache.shape[:2] != value_cache.shape[:2]:
         raise ValueError(f"key_cache {key_cache.shape} and value_cache {value_cache.shape} differ in pages or "
                          "page_size")

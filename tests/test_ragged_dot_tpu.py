@@ -107,7 +107,8 @@ def _assert_training_kernels_fit(report, generation):
 
 
 # `make test` compiles a sample: each generation's training step at prefill (all three kernels),
-# a decode forward and gpt-oss's layout on one generation; `make check-compile` (CHECK_ALL_COMPILES=1) every case.
+# a decode forward and gpt-oss's layout on one generation; `make check-compile`
+# (CHECK_ALL_COMPILES=1) every case.
 ALL_COMPILES = os.environ.get("CHECK_ALL_COMPILES") == "1"
 
 
