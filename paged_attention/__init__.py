@@ -1,5 +1,10 @@
 """paged-attention-tpu: ragged paged attention over a paged KV cache and the cache write, as
-Pallas TPU kernels (in development: JAX entry points so far).
+Pallas TPU kernels with vLLM's names and arguments, callable from torch (CPU runs them in
+interpret mode).
 
 JAX users: `from <package>.ops import ragged_paged_attention, reshape_and_cache_flash`.
 """
+
+from .torch_ops import ragged_paged_attention, reshape_and_cache_flash
+
+__all__ = ["ragged_paged_attention", "reshape_and_cache_flash"]

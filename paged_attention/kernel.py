@@ -17,8 +17,9 @@ before a window) are not on the grid; pages past a sequence's length are
 never copied. A block with no live token gets one step, to write its zeros.
 
 Masking. Each row carries the range of keys it sees as positions in a
-"global" key space where sequence s's position j is s * max_len + j
-(max_len: pages_per_seq * page_size), so one compare per bound also keeps
+"global" key space where sequence s's position j is s * key_stride + j
+(key_stride: the page table's length rounded up to whole chunks, so that no
+chunk's columns reach another sequence), so one compare per bound also keeps
 a row to its own sequence. Statistics are f32 in base 2, as in flash
 attention; a sink enters as the softmax's starting max and sum.
 Quantized caches: K's scale is folded into the softmax scale, V's applied
@@ -53,7 +54,7 @@ class Options:
     groups: int  # query heads per KV head (G)
     v_scale: float  # 1: none
     page_size: int
-    max_len: int  # pages_per_seq * page_size: the stride of the global key positions
+    key_stride: int  # the stride of the global key positions: the sequences' chunks span it
 
 
 def _kernel(step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar prefetch
@@ -110,7 +111,7 @@ def _kernel(step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar pre
     def _step():
         wait(i, pages_now, slot)
         seq, first = step_seq[i], step_chunk[i] * chunk
-        first_key = seq * opts.max_len + first
+        first_key = seq * opts.key_stride + first
         cols = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], chunk), 1)
         visible = (cols >= lanes(lo_cols[...] - first_key, chunk)) & (cols <= lanes(hi_cols[...] - first_key, chunk))
         # Rows of pages past the sequence's length hold whatever the cache (or an earlier chunk) left:

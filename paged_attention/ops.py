@@ -88,7 +88,7 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
                     (is_seq_pair[pair] & (i < count)).astype(jnp.int32), count.astype(jnp.int32))
 
 
-def token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens: int, max_len: int, sliding_window: int | None):
+def token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens: int, key_stride: int, sliding_window: int | None):
     """[num_tokens] int32 (lo, hi): the keys each token sees, as global positions (kernel.py);
     a token past the live sequences' sees none (lo > hi)."""
     max_seqs = kv_lens.shape[0]
@@ -97,7 +97,7 @@ def token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens: int, max_len: int, sl
     live = (t < cu_q_lens[jnp.minimum(num_seqs, max_seqs)]) & (seq < num_seqs)
     position = t - cu_q_lens[seq] + kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq])
     first = jnp.maximum(position - sliding_window + 1, 0) if sliding_window else jnp.zeros_like(position)
-    return jnp.where(live, seq * max_len + first, NO_KEY), jnp.where(live, seq * max_len + position, -1)
+    return jnp.where(live, seq * key_stride + first, NO_KEY), jnp.where(live, seq * key_stride + position, -1)
 
 
 def inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, num_tokens: int, num_pages: int, max_len: int):
@@ -121,7 +121,7 @@ def _check_cache_dtype(name, cache):
         raise TypeError(f"{name} must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {cache.dtype}")
 
 
-def _check(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
+def check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
     """Shapes and dtypes, at trace time: a clear error naming the argument."""
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, heads, head_dim], got shape {q.shape}")
@@ -160,7 +160,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     padded past it). Returns [T, Hq, D] in q's dtype; tokens past the live sequences' get
     zeros. Index values are checked on the device: invalid ones make the output NaN.
     """
-    _check(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
+    check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
     if softcap is not None and softcap < 0:
@@ -172,18 +172,21 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     if blocks is None:
         blocks = BlockSizes(block_q=max(8, 128 // groups), pages_per_block=max(1, 512 // page_size))
     max_len = page_indices.shape[1] * page_size
+    chunks = -(-page_indices.shape[1] // blocks.pages_per_block)
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
+    # Sequences' global key positions are a whole number of chunks apart: a chunk's columns past
+    # its sequence's pages must not reach the next sequence's positions.
+    key_stride = chunks * blocks.pages_per_block * page_size
     opts = Options(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
                    has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
-                   page_size=page_size, max_len=max_len)
+                   page_size=page_size, key_stride=key_stride)
     num_tokens = round_up(max(t, 1), blocks.block_q)
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
-    chunks = -(-page_indices.shape[1] // blocks.pages_per_block)
     page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
     page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
     schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
                              blocks.pages_per_block * page_size, chunks, sliding_window)
-    lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, max_len, sliding_window)
+    lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, key_stride, sliding_window)
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)
     out = _kernel_call(heads_as_rows(q, groups, num_tokens), k_cache, v_cache, kv_lens, page_chunks,

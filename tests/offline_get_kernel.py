@@ -30,6 +30,17 @@ if hasattr(kernel, "ragged_dot"):
     rhs = torch.randn(3, 128, 256, generator=gen(1))
     out = kernel.ragged_dot(lhs, rhs, torch.tensor([10, 0, 20]))
     want = torch.cat([lhs[:10] @ rhs[0], lhs[10:30] @ rhs[2], torch.zeros(7, 256)])
+elif hasattr(kernel, "ragged_paged_attention"):  # write a sequence's 40 tokens to the cache, decode its last
+    k, v = (torch.randn(40, 2, 64, generator=gen(seed)) for seed in (1, 2))
+    q = torch.randn(1, 4, 64, generator=gen(0))
+    k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    slots = (table[0, torch.arange(40) // 16] * 16 + torch.arange(40) % 16).to(torch.int32)
+    kernel.reshape_and_cache_flash(k, v, k_cache, v_cache, slots)
+    out = kernel.ragged_paged_attention(q, k_cache, v_cache, torch.tensor([40], dtype=torch.int32), table,
+                                        torch.tensor([0, 1], dtype=torch.int32), 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True).transpose(0, 1)
 else:  # flash attention: one causal GQA batch against torch's own attention
     q, k, v = (torch.randn(2, 40, heads, 64, generator=gen(seed)) for seed, heads in ((0, 4), (1, 2), (2, 2)))
     out = kernel.flash_attn_func(q, k, v, causal=True)

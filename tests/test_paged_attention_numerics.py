@@ -93,6 +93,17 @@ def test_quantized_cache_is_read_times_its_scale(cache_dtype):
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
 
 
+def test_chunks_longer_than_the_page_table_stay_in_their_sequence():
+    """pages_per_block past pages_per_seq (the default blocks with short page tables): a chunk
+    spans more positions than a sequence has, and must not reach the next sequence's keys
+    (sequences share the query block here)."""
+    case = ("short_table", [1, 6, 3], [20, 40, 7], 4, 2, 64, 16, BlockSizes(8, 4), {})
+    args, options = _inputs(case, jnp.float32, pages_per_seq=3)
+    out = ops.ragged_paged_attention(*args, blocks=case[7])
+    expected = reference.ragged_paged_attention(*args)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+
+
 def test_pages_past_a_sequence_are_never_read():
     """Every page past a sequence's length (and the stale rows of its last page) holds NaN, and
     the page table past them points out of the cache: the output is the reference's, finite."""

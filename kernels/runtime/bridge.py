@@ -117,8 +117,9 @@ def _annotated(fn, names, types, returns):
 class _Runner:
     """Runs one JAX function on torch tensors, on CPU or TPU."""
 
-    def __init__(self, qualname: str, jax_fn, names, types, returns):
+    def __init__(self, qualname: str, jax_fn, names, types, returns, donate=()):
         self.qualname = qualname
+        self.donate_argnums = tuple(names.index(n) for n in donate)
         self.jax_fn = jax_fn
         self.names = names
         self.types = types
@@ -145,7 +146,8 @@ class _Runner:
 
             ns, name = self.qualname.split("::")
             annotated = _annotated(on_tpu, self.names, self.types, self.returns)
-            self._tpu_ops[generation] = jax_op(f"{ns}::{name}_{generation}", annotated)
+            self._tpu_ops[generation] = jax_op(f"{ns}::{name}_{generation}", annotated,
+                                               donate_argnums=self.donate_argnums or None)
         return self._tpu_ops[generation]
 
     def __call__(self, *args):
@@ -181,15 +183,19 @@ class _Runner:
         return [make(o) for o in out] if isinstance(out, (tuple, list)) else make(out)
 
 
-def jax_custom_op(qualname: str, jax_fn, *, differentiable: typing.Sequence[str] = (), backward=None):
+def jax_custom_op(qualname: str, jax_fn, *, differentiable: typing.Sequence[str] = (), backward=None,
+                  donate: typing.Sequence[str] = ()):
     """Declares the torch op `qualname` ("namespace::name") backed by `jax_fn`.
 
+    `donate` names tensor arguments whose TPU buffers the op may reuse for its
+    outputs (jax_op's donation): after a TPU call they are invalid, and the
+    caller rebinds them to the outputs. On CPU nothing is donated.
     Returns the op; call it with the JAX function's torch-visible arguments.
     `backward(*inputs, *outputs, *cotangents, interpret=, generation=)`, if
     given, returns the gradients of the `differentiable` arguments, in order.
     """
     sig = _Signature(jax_fn)
-    forward = _Runner(qualname, jax_fn, sig.names, sig.types, sig.returns)
+    forward = _Runner(qualname, jax_fn, sig.names, sig.types, sig.returns, donate)
     op = torch.library.custom_op(qualname, mutates_args=(), schema=sig.schema())(forward)
     op.register_fake(forward.fake)
     if differentiable:

@@ -1,0 +1,198 @@
+"""The thin torch layer: vLLM's two calls, `reshape_and_cache_flash` (write new tokens' K and V
+into the paged caches, in place) and `ragged_paged_attention` (attend over the pages where they
+lie), with argument checks that name the argument."""
+
+from __future__ import annotations
+
+import jax
+import torch
+
+from . import ops
+from ._build import OP_NAMESPACE
+from ._shared.bridge import jax_custom_op
+from ._shared.tuning import bucket_size
+
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8)
+
+
+def _attention_jax(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+                   page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sinks: jax.Array,
+                   softmax_scale: float, sliding_window: int, softcap: float, has_sinks: bool, k_scale: float,
+                   v_scale: float, *, interpret, generation) -> jax.Array:
+    return ops.ragged_paged_attention(
+        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, softmax_scale=softmax_scale,
+        sliding_window=sliding_window or None, softcap=softcap or None, sinks=sinks if has_sinks else None,
+        k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+
+
+def _write_jax(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+               slot_mapping: jax.Array, k_scale: float, v_scale: float, *, interpret,
+               generation) -> tuple[jax.Array, jax.Array]:
+    return ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                       interpret=interpret)
+
+
+attention_op = jax_custom_op(f"{OP_NAMESPACE}::ragged_paged_attention", _attention_jax)
+# On TPU the caches' buffers become the outputs (no copy of the cache); see _rebind.
+write_op = jax_custom_op(f"{OP_NAMESPACE}::reshape_and_cache_flash", _write_jax, donate=("key_cache", "value_cache"))
+
+
+def _check_tensor(name, t, rank, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be one of {[str(d).removeprefix('torch.') for d in dtypes]}, got {t.dtype}")
+
+
+def _check_devices(**tensors):
+    devices = {str(t.device) for t in tensors.values() if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"tensors must be on one device, got { {n: str(t.device) for n, t in tensors.items()} }")
+
+
+def _check_scale(name, scale):
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"{name} must be a positive float or None, got {scale!r}")
+
+
+def _spec(t: torch.Tensor) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """Values are read only where that costs no device round trip (and not while compiling)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _check_index_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, num_pages, page_size):
+    """The index arrays' values, on CPU tensors, naming the argument; on a TPU invalid values make
+    the output NaN instead (ops.inputs_valid), and no page outside the cache is ever read."""
+    max_seqs = kv_lens.shape[0]
+    if not 0 <= num_seqs <= max_seqs:
+        raise ValueError(f"num_seqs {num_seqs} must lie in [0, {max_seqs}] (the sequences kv_lens holds)")
+    if int(cu_q_lens[0]) != 0:
+        raise ValueError(f"cu_q_lens must start at 0, got {int(cu_q_lens[0])}")
+    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1])[:num_seqs]
+    if bool((q_lens < 0).any()):
+        raise ValueError(f"cu_q_lens must not decrease: {cu_q_lens[:num_seqs + 1].tolist()}")
+    if int(cu_q_lens[num_seqs]) > num_tokens:
+        raise ValueError(f"cu_q_lens ends at {int(cu_q_lens[num_seqs])}, past the {num_tokens} tokens of q")
+    lens = kv_lens[:num_seqs]
+    if bool((q_lens > lens).any()):
+        s = int((q_lens > lens).nonzero()[0, 0])
+        raise ValueError(f"sequence {s} has {int(q_lens[s])} new tokens but kv_lens {int(lens[s])} (it must count "
+                         "the new tokens too)")
+    max_len = page_indices.shape[1] * page_size
+    if bool((lens > max_len).any()):
+        raise ValueError(f"kv_lens {int(lens.max())} is past page_indices' {page_indices.shape[1]} pages of "
+                         f"{page_size} tokens")
+    used = torch.arange(page_indices.shape[1]) < (lens[:, None] + page_size - 1) // page_size
+    pages = page_indices[:num_seqs][used]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise ValueError(f"page_indices used by live sequences must lie in [0, {num_pages}), got "
+                         f"[{int(pages.min())}, {int(pages.max())}]")
+
+
+def _pad_rows(x: torch.Tensor, num: int, value=0) -> torch.Tensor:
+    pad = [0, 0] * (x.dim() - 1) + [0, num - x.shape[0]]
+    return torch.nn.functional.pad(x, pad, value=value) if num != x.shape[0] else x
+
+
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, softmax_scale=None,
+                           sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None):
+    """Attention of the new tokens of many sequences over their pages of the KV cache.
+
+    q [T, Hq, D] (bf16 or f32): the new tokens of all sequences back to back; k_cache, v_cache
+    [num_pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 holding value / scale);
+    kv_lens [S] int32: each sequence's tokens, the new ones included; page_indices
+    [S, pages_per_seq] int32; cu_q_lens [S + 1] int32: where each sequence's new tokens are in q;
+    num_seqs: the live sequences (an int, or a one-element int32 tensor; the arrays may be padded
+    past it). A sequence's new tokens are its last positions and attend causally.
+    sliding_window=W: a query at position p sees keys p - W + 1 .. p; softcap c maps a scaled
+    score s to c * tanh(s / c); sinks [Hq] add exp(sinks[h]) to the softmax's denominator.
+    Returns [T, Hq, D] in q's dtype; tokens past the live sequences get zeros.
+    """
+    _check_tensor("q", q, 3, QUERY_DTYPES)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, cache, 4, CACHE_DTYPES)
+    for name, t, rank in (("kv_lens", kv_lens, 1), ("page_indices", page_indices, 2), ("cu_q_lens", cu_q_lens, 1)):
+        _check_tensor(name, t, rank, (torch.int32,))
+    if sinks is not None:
+        _check_tensor("sinks", sinks, 1, QUERY_DTYPES + (torch.float16,))
+    num_seqs_tensor = num_seqs if isinstance(num_seqs, torch.Tensor) else None
+    if num_seqs_tensor is not None and (num_seqs_tensor.numel() != 1 or num_seqs_tensor.dtype != torch.int32):
+        raise ValueError(f"num_seqs must be an int or a one-element int32 tensor, got {num_seqs_tensor.dtype} "
+                         f"{tuple(num_seqs_tensor.shape)}")
+    _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, page_indices=page_indices,
+                   cu_q_lens=cu_q_lens, num_seqs=num_seqs_tensor, sinks=sinks)
+    _check_scale("softmax_scale", softmax_scale)
+    _check_scale("k_scale", k_scale)
+    _check_scale("v_scale", v_scale)
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap >= 0):
+        raise ValueError(f"softcap must be a float >= 0 or None, got {softcap!r}")
+    # Shapes (heads, head_dim, page and sequence counts) are checked by ops, with the same names.
+    ops.check_shapes(*(_spec(t) for t in (q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens)),
+                     None if sinks is None else _spec(sinks))
+    if _on_host(kv_lens):
+        live = int(num_seqs_tensor) if num_seqs_tensor is not None else int(num_seqs)
+        _check_index_values(kv_lens, page_indices, cu_q_lens, live, q.shape[0], k_cache.shape[0], k_cache.shape[1])
+    if num_seqs_tensor is None:
+        num_seqs_tensor = torch.tensor([num_seqs], dtype=torch.int32, device=q.device)
+    # Token and sequence counts padded to powers of two: a serving loop compiles a bounded set
+    # of shapes. Padding tokens and sequences are past num_seqs' tokens: never computed.
+    tokens, seqs = q.shape[0], kv_lens.shape[0]
+    num_q, num_s = bucket_size(tokens), bucket_size(seqs)
+    out = attention_op(
+        _pad_rows(q, num_q), k_cache, v_cache, _pad_rows(kv_lens, num_s), _pad_rows(page_indices, num_s),
+        torch.cat([cu_q_lens, cu_q_lens[-1:].expand(num_s - seqs)]) if num_s != seqs else cu_q_lens,
+        num_seqs_tensor.reshape(()), sinks.to(q.dtype) if sinks is not None else q.new_empty(0),
+        float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5, int(sliding_window or 0),
+        float(softcap or 0.0), sinks is not None, float(k_scale or 1.0), float(v_scale or 1.0))
+    return out[:tokens] if num_q != tokens else out
+
+
+def _rebind(cache: torch.Tensor, new: torch.Tensor) -> None:
+    """Makes `cache` hold the written cache. On TPU the op donated the cache's buffer and wrote
+    the new tokens in it (input-output aliasing): the tensor is pointed at that buffer, nothing
+    is copied. On CPU (interpret mode, for tests) the result is copied in."""
+    if cache.device.type == "cpu":
+        cache.copy_(new)
+    else:
+        cache.set_(new)
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Writes new tokens' key and value [T, Hkv, D] into key_cache and value_cache
+    [num_pages, page_size, Hkv, D] in place, at slot_mapping [T] (int32 or int64:
+    page * page_size + offset; -1 skips the token, as padding). fp8 and int8 caches store
+    value / scale (k_scale, v_scale), rounded and saturated. On TPU the caches must be whole
+    tensors, not views of a larger one: their buffers are reused in place."""
+    for name, t in (("key", key), ("value", value)):
+        _check_tensor(name, t, 3, QUERY_DTYPES)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_tensor(name, t, 4, CACHE_DTYPES)
+        if t.device.type != "cpu" and (t._base is not None or t.storage_offset() or not t.is_contiguous()):
+            raise ValueError(f"{name} is a view of a larger tensor: on TPU the write reuses the cache's own buffer, "
+                             "so pass the whole cache tensor")
+    _check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+    _check_devices(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    _check_scale("k_scale", k_scale)
+    _check_scale("v_scale", v_scale)
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if _on_host(slot_mapping) and slot_mapping.numel():
+        bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+        if bool(bad.any()):
+            raise ValueError(f"slot_mapping values must be -1 (skip) or lie in [0, {num_slots}), got "
+                             f"{int(slot_mapping[bad][0])}")
+    tokens = key.shape[0]
+    num = bucket_size(tokens)
+    new_k, new_v = write_op(_pad_rows(key, num), _pad_rows(value, num), key_cache, value_cache,
+                            _pad_rows(slot_mapping.to(torch.int32), num, value=-1), float(k_scale or 1.0),
+                            float(v_scale or 1.0))
+    _rebind(key_cache, new_k)
+    _rebind(value_cache, new_v)
