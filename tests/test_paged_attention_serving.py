@@ -1,0 +1,179 @@
+"""A small serving loop of our own with vLLM's calls, for engine authors to read: per step, every
+running request's new tokens (a prefill chunk, or the last generated token) packed in one row,
+each layer writing its K and V with `reshape_and_cache_flash` and attending with
+`ragged_paged_attention` over pages handed out from a free list. Requests join and finish at
+different steps; their pages go back to the free list and are reused. The greedy tokens must be
+`generate`'s for each prompt alone (sdpa, or eager where the family has no sdpa). The kernel is
+the built Hub tree, loaded with get_kernel as users load it."""
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+import build_collection
+
+REPO = build_collection.load_manifest()["kernels"]["paged_attention"]["repo-id"]
+ATTENTION = "paged_serving_loop"  # our loop's attention function, registered with transformers
+BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=64, tie_word_embeddings=False)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(BASE, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),  # GQA
+    # softcap, alternating sliding window, head_dim 256, MQA
+    "gemma2": ("Gemma2Config", dict(BASE, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                    sliding_window=8, attn_logit_softcapping=5.0, query_pre_attn_scalar=64)),
+    # sinks, alternating sliding window
+    "gpt_oss": ("GptOssConfig", dict(BASE, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                                     num_local_experts=4, num_experts_per_tok=2)),
+}
+PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ, PREFILL_CHUNK = 16, 12, 3, 8
+MAX_SEQS, TOKENS_PER_STEP = 4, 32  # every step is padded to this: one shape to compile, as engines do
+CALLS = []
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory):
+    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["paged_attention"])
+    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
+    from kernels import get_kernel
+
+    module = get_kernel(REPO, version=1)
+    torch_ops = sys.modules[module.__name__ + ".torch_ops"]
+    op = torch_ops.attention_op
+
+    def counted(*args):
+        CALLS.append(tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args))
+        return op(*args)
+
+    torch_ops.attention_op = counted
+    AttentionInterface.register(ATTENTION, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, lambda *args, **kwargs: None)  # ours masks itself
+    yield module
+    torch_ops.attention_op = op
+
+
+@dataclasses.dataclass
+class Step:
+    """What every layer of one forward needs: the kernel, the caches and the batch's index arrays."""
+    kernel: object
+    k_caches: list
+    v_caches: list
+    slot_mapping: torch.Tensor  # [T] int32
+    kv_lens: torch.Tensor  # [S] int32
+    page_indices: torch.Tensor  # [S, PAGES_PER_SEQ] int32
+    cu_q_lens: torch.Tensor  # [S + 1] int32
+    num_seqs: int
+
+
+STEP: list[Step] = []  # the current step, set by the loop around each forward
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+               softcap=None, s_aux=None, **kwargs):
+    """transformers' attention interface: query [1, Hq, T, D], key and value [1, Hkv, T, D] for
+    the step's packed tokens; returns [1, T, Hq, D]."""
+    step, layer = STEP[0], module.layer_idx
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    step.kernel.reshape_and_cache_flash(k, v, step.k_caches[layer], step.v_caches[layer], step.slot_mapping)
+    out = step.kernel.ragged_paged_attention(
+        q, step.k_caches[layer], step.v_caches[layer], step.kv_lens, step.page_indices, step.cu_q_lens,
+        step.num_seqs, softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
+    return out[None], None
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: list
+    max_new_tokens: int
+    joins_at: int
+    cached: int = 0  # tokens in the cache
+    pages: list = dataclasses.field(default_factory=list)
+    generated: list = dataclasses.field(default_factory=list)
+
+    @property
+    def done(self):
+        return len(self.generated) == self.max_new_tokens
+
+
+def serve(model, kernel, requests: list[Request]) -> int:
+    """Runs the requests to completion; returns the number of forward steps."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    cache = lambda: torch.zeros(NUM_PAGES, PAGE_SIZE, config.num_key_value_heads, head_dim)
+    k_caches = [cache() for _ in range(config.num_hidden_layers)]
+    v_caches = [cache() for _ in range(config.num_hidden_layers)]
+    free = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(0)).tolist()
+    steps = 0
+    while not all(r.done for r in requests):
+        running = [r for r in requests if r.joins_at <= steps and not r.done]
+        assert 0 < len(running) <= MAX_SEQS
+        ids, positions, slots, kv_lens, cu = [], [], [], [], [0]
+        table = torch.zeros(MAX_SEQS, PAGES_PER_SEQ, dtype=torch.int32)  # padded past the running requests
+        for s, r in enumerate(running):
+            new = (r.prompt[r.cached:r.cached + PREFILL_CHUNK] if r.cached < len(r.prompt) else r.generated[-1:])
+            while len(r.pages) * PAGE_SIZE < r.cached + len(new):
+                r.pages.append(free.pop())
+            table[s, :len(r.pages)] = torch.tensor(r.pages)
+            for position in range(r.cached, r.cached + len(new)):
+                positions.append(position)
+                slots.append(r.pages[position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE)
+            ids += new
+            kv_lens.append(r.cached + len(new))
+            cu.append(cu[-1] + len(new))
+        # Padding: sequences past num_seqs (no tokens, no pages), tokens past the last sequence's
+        # (slot -1: not written; their outputs are zeros).
+        padding, pad_tokens = MAX_SEQS - len(running), TOKENS_PER_STEP - len(ids)
+        ids, positions, slots = ids + [0] * pad_tokens, positions + [0] * pad_tokens, slots + [-1] * pad_tokens
+        as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)
+        STEP[:] = [Step(kernel, k_caches, v_caches, as_int32(slots), as_int32(kv_lens + [0] * padding), table,
+                        as_int32(cu + [cu[-1]] * padding), len(running))]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
+                           use_cache=False).logits[0]
+        steps += 1
+        for s, r in enumerate(running):
+            r.cached = kv_lens[s]
+            if r.cached >= len(r.prompt):  # its prompt is in: the last position predicts the next token
+                r.generated.append(int(logits[cu[s + 1] - 1].argmax()))
+            if r.done:
+                free += r.pages
+                r.pages = []
+    return steps
+
+
+def layer_type(config, i):
+    return (getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)[i]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_serving_loop_gives_the_tokens_of_generate(paged, family):
+    config_class, kwargs = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
+    make = lambda n, seed: torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    # Prompts longer than a prefill chunk (chunked prefill) and than the window of 8; one joins
+    # late, after the first finished and gave its pages back; contexts cross page boundaries.
+    requests = [Request(make(5, 1), 3, joins_at=0), Request(make(19, 2), 8, joins_at=0),
+                Request(make(12, 3), 7, joins_at=1), Request(make(3, 4), 4, joins_at=4)]
+    expected = []
+    with torch.no_grad():
+        for r in requests:
+            out = model.generate(torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            expected.append(out[0, len(r.prompt):].tolist())
+    model.set_attn_implementation(ATTENTION)
+    CALLS.clear()
+    steps = serve(model, paged, requests)
+    assert len(CALLS) == steps * config.num_hidden_layers, "our kernel must serve every layer at every step"
+    assert len(set(CALLS)) == len({layer_type(config, i) for i in range(config.num_hidden_layers)}), \
+        "one signature per attention type: every step has the same shapes"
+    for r, tokens in zip(requests, expected):
+        assert r.generated == tokens
