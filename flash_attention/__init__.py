@@ -6,6 +6,10 @@ implementation.
 JAX users: `from <package>.ops import flash_attention, flash_attention_varlen`.
 """
 
-from .torch_ops import flash_attn_func, flash_attn_varlen_func
+from ._shared.dependencies import require_jax
+
+require_jax("flash-attn-tpu")
+
+from .torch_ops import flash_attn_func, flash_attn_varlen_func  # noqa: E402  (after the jax check)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]

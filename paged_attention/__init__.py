@@ -5,6 +5,10 @@ interpret mode).
 JAX users: `from <package>.ops import ragged_paged_attention, reshape_and_cache_flash`.
 """
 
-from .torch_ops import ragged_paged_attention, reshape_and_cache_flash
+from ._shared.dependencies import require_jax
+
+require_jax("paged-attention-tpu")
+
+from .torch_ops import ragged_paged_attention, reshape_and_cache_flash  # noqa: E402  (after the jax check)
 
 __all__ = ["ragged_paged_attention", "reshape_and_cache_flash"]

@@ -4,6 +4,10 @@ Pallas TPU kernels, callable from torch (CPU runs them in interpret mode).
 JAX users: `from <package>.ops import ragged_dot, experts_forward`.
 """
 
-from .torch_ops import experts_forward, ragged_dot
+from ._shared.dependencies import require_jax
+
+require_jax("ragged-dot-tpu")
+
+from .torch_ops import experts_forward, ragged_dot  # noqa: E402  (after the jax check)
 
 __all__ = ["ragged_dot", "experts_forward"]

@@ -99,3 +99,19 @@ def test_import_kernels_is_hugging_face_kernels():
 
     assert Path(kernels.__file__).parent.parent.name == "site-packages"
     assert not (TESTS.parent / "kernels" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("key", KERNELS)
+def test_missing_jax_says_what_to_install(key):
+    """torch-tpu does not bring jax and the Hub's metadata cannot name it: the kernel says it."""
+    kernel = build_collection.load_manifest()["kernels"][key]
+    code = (f"import sys; sys.modules['jax'] = None; sys.path.insert(0, {str(build_collection.REPO_ROOT)!r}); "
+            f"import {kernel['folder']}")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert f"ImportError: {kernel['repo']} runs its Pallas TPU kernels through JAX" in result.stderr
+    from runtime import dependencies
+
+    pins = (build_collection.REPO_ROOT / "requirements.txt").read_text().split()
+    assert all(pin in pins for pin in dependencies.TESTED_JAX.split()), "the message names the tested pins"
+    assert f"pip install {dependencies.TESTED_JAX}" in result.stderr
