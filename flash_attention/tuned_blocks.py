@@ -9,6 +9,8 @@ forward-and-backward time of one causal sequence there, compiled by libtpu for i
 
 TUNED = {
     'v6e': {
+        (64, 1, 8192): (1024, 1024),  # 20.2 MiB
+        (64, 4, 8192): (2048, 1024),  # 53.2 MiB
         (64, 8, 8192): (4096, 512),  # 85.7 MiB
         (128, 1, 8192): (1024, 1024),  # 20.2 MiB
         (128, 4, 8192): (2048, 512),  # 43.7 MiB
