@@ -9,6 +9,7 @@ from ._shared.dependencies import require_jax
 
 require_jax("paged-attention-tpu")
 
+from .continuous_batching import flash_attn_forward, supports_flash_attn  # noqa: E402, F401
 from .torch_ops import ragged_paged_attention, reshape_and_cache_flash  # noqa: E402  (after the jax check)
 
-__all__ = ["ragged_paged_attention", "reshape_and_cache_flash"]
+__all__ = ["ragged_paged_attention", "reshape_and_cache_flash", "flash_attn_forward"]

@@ -6,6 +6,7 @@ different steps; their pages go back to the free list and are reused. The greedy
 `generate`'s for each prompt alone (sdpa, or eager where the family has no sdpa). The kernel is
 the built Hub tree, loaded with get_kernel as users load it."""
 
+import copy
 import dataclasses
 import os
 import sys
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import build_collection
@@ -177,3 +179,67 @@ def test_serving_loop_gives_the_tokens_of_generate(paged, family):
         "one signature per attention type: every step has the same shapes"
     for r, tokens in zip(requests, expected):
         assert r.generated == tokens
+
+
+# 16-token pages (contexts span several), a 16-token budget per step (the 19-token prompt is
+# prefilled in chunks, requests wait for room and join later).
+BATCHING = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=16)
+CB_FAMILIES = {"llama": FAMILIES["llama"], "qwen3": ("Qwen3Config", FAMILIES["llama"][1])}
+
+
+@pytest.mark.parametrize("family", CB_FAMILIES)
+def test_generate_batch_gives_the_tokens_of_generate(paged, family):
+    """transformers' continuous batching with attn_implementation="<repo>:flash_attn_forward"
+    (transformers loads the built tree with get_kernel): requests of different lengths, some
+    queued behind a small token budget so they join later; every layer's attention is ours."""
+    config_class, kwargs = CB_FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**kwargs)
+    implementation = f"{REPO}:flash_attn_forward"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32).eval()
+    assert model.config._attn_implementation == implementation
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa",
+                                                 dtype=torch.float32).eval()
+    reference.load_state_dict(model.state_dict())
+    # Each layer's call, and (the fixture's counter: transformers loaded the same module) each kernel call.
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    served, layers = ALL_ATTENTION_FUNCTIONS[implementation], []
+
+    def attention(module, *args, **kwargs):
+        layers.append(module.layer_idx)
+        return served(module, *args, **kwargs)
+
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 12, 3)]
+    generation = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    CALLS.clear()
+    ALL_ATTENTION_FUNCTIONS.register(implementation, attention)
+    try:
+        with torch.no_grad():
+            batched = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=BATCHING)
+    finally:
+        ALL_ATTENTION_FUNCTIONS.register(implementation, served)
+    assert set(layers) == set(range(config.num_hidden_layers)), "our function must serve every layer"
+    assert len(CALLS) == len(layers), "and each call must run our kernel"
+    assert len(batched) == len(prompts)
+    with torch.no_grad():
+        for prompt, result in zip(prompts, sorted(batched.values(), key=lambda r: int(r.request_id.split("_")[-1]))):
+            alone = reference.generate(torch.tensor([prompt]), generation_config=generation)
+            assert result.generated_tokens == alone[0, len(prompt):].tolist()
+
+
+def test_what_is_not_served_says_so(paged):
+    """Sliding-window layers (a ring-buffer cache) and generate (no paged cache) are not served:
+    each says so rather than computing something else."""
+    config = transformers.MistralConfig(**FAMILIES["llama"][1], sliding_window=8)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=f"{REPO}:flash_attn_forward",
+                                             dtype=torch.float32).eval()
+    generation = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        results = model.generate_batch([[5, 6, 7]], generation_config=generation, continuous_batching_config=BATCHING)
+        # transformers' loop logs the error and returns the request failed, with the message.
+        (result,) = results.values()
+        assert result.status.name == "FAILED" and not result.generated_tokens
+        assert "layer 0 is 'sliding_attention'" in result.error
+        with pytest.raises(NotImplementedError, match="serves transformers' continuous batching"):
+            model.generate(torch.tensor([[5, 6, 7]]), generation_config=generation)
