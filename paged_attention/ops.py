@@ -170,7 +170,10 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     groups = hq // hkv
     interpret = default_interpret() if interpret is None else interpret
     if blocks is None:
-        blocks = BlockSizes(block_q=max(8, 128 // groups), pages_per_block=max(1, 512 // page_size))
+        # 512 keys per chunk, or the whole page table when it is shorter (no chunk past it to copy
+        # nothing into, and less unrolled code).
+        blocks = BlockSizes(block_q=max(8, 128 // groups),
+                            pages_per_block=max(1, min(512 // page_size, page_indices.shape[1])))
     max_len = page_indices.shape[1] * page_size
     chunks = -(-page_indices.shape[1] // blocks.pages_per_block)
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
