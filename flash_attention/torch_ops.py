@@ -11,7 +11,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import jax_custom_op
+from ._shared.bridge import check_tensor, jax_custom_op
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -79,12 +79,7 @@ def _check_options(softmax_scale, window_size, softcap):
 
 def _check_tensors(q, k, v, s_aux, rank: int):
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{name} must have {rank} dims, got shape {tuple(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+        check_tensor(name, t, rank, FLOAT_DTYPES)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     hq, d = q.shape[-2:]

@@ -9,7 +9,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import jax_custom_op
+from ._shared.bridge import check_tensor, jax_custom_op
 from ._shared.tuning import bucket_size
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
@@ -36,15 +36,6 @@ def _write_jax(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cac
 attention_op = jax_custom_op(f"{OP_NAMESPACE}::ragged_paged_attention", _attention_jax)
 # On TPU the caches' buffers become the outputs (no copy of the cache); see _rebind.
 write_op = jax_custom_op(f"{OP_NAMESPACE}::reshape_and_cache_flash", _write_jax, donate=("key_cache", "value_cache"))
-
-
-def _check_tensor(name, t, rank, dtypes):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have {rank} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must be one of {[str(d).removeprefix('torch.') for d in dtypes]}, got {t.dtype}")
 
 
 def _check_devices(**tensors):
@@ -115,13 +106,13 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     score s to c * tanh(s / c); sinks [Hq] add exp(sinks[h]) to the softmax's denominator.
     Returns [T, Hq, D] in q's dtype; tokens past the live sequences get zeros.
     """
-    _check_tensor("q", q, 3, QUERY_DTYPES)
+    check_tensor("q", q, 3, QUERY_DTYPES)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, cache, 4, CACHE_DTYPES)
+        check_tensor(name, cache, 4, CACHE_DTYPES)
     for name, t, rank in (("kv_lens", kv_lens, 1), ("page_indices", page_indices, 2), ("cu_q_lens", cu_q_lens, 1)):
-        _check_tensor(name, t, rank, (torch.int32,))
+        check_tensor(name, t, rank, (torch.int32,))
     if sinks is not None:
-        _check_tensor("sinks", sinks, 1, QUERY_DTYPES + (torch.float16,))
+        check_tensor("sinks", sinks, 1, QUERY_DTYPES + (torch.float16,))
     num_seqs_tensor = num_seqs if isinstance(num_seqs, torch.Tensor) else None
     if num_seqs_tensor is not None and (num_seqs_tensor.numel() != 1 or num_seqs_tensor.dtype != torch.int32):
         raise ValueError(f"num_seqs must be an int or a one-element int32 tensor, got {num_seqs_tensor.dtype} "
@@ -173,13 +164,13 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
     value / scale (k_scale, v_scale), rounded and saturated. On TPU the caches must be whole
     tensors, not views of a larger one: their buffers are reused in place."""
     for name, t in (("key", key), ("value", value)):
-        _check_tensor(name, t, 3, QUERY_DTYPES)
+        check_tensor(name, t, 3, QUERY_DTYPES)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check_tensor(name, t, 4, CACHE_DTYPES)
+        check_tensor(name, t, 4, CACHE_DTYPES)
         if t.device.type != "cpu" and (t._base is not None or t.storage_offset() or not t.is_contiguous()):
             raise ValueError(f"{name} is a view of a larger tensor: on TPU the write reuses the cache's own buffer, "
                              "so pass the whole cache tensor")
-    _check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     _check_devices(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)

@@ -38,7 +38,7 @@ BAD = [
     (dict(q=torch.randn(30, 4, 32)), ValueError, "head dims"),
     (dict(q=torch.randn(30, 4, 64, 1)), ValueError, "q must have 3 dims"),
     (dict(v=torch.randn(40, 2, 64)), ValueError, "v must match k"),
-    (dict(q=torch.randn(30, 4, 64, dtype=torch.float16)), TypeError, "float32 or bfloat16"),
+    (dict(q=torch.randn(30, 4, 64, dtype=torch.float16)), TypeError, r"q must be one of \['float32', 'bfloat16'\]"),
     (dict(q=torch.randn(30, 4, 64, dtype=torch.bfloat16)), TypeError, "share a dtype"),
     (dict(q=torch.randn(30, 4, 512), k=torch.randn(50, 2, 512), v=torch.randn(50, 2, 512)), ValueError, "up to 256"),
     (dict(cu_seqlens_q=torch.tensor([0, 10, 30])), TypeError, "int32"),
