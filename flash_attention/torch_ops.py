@@ -11,7 +11,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import check_tensor, jax_custom_op
+from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_offsets, pad_rows
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -98,9 +98,7 @@ def _check_tensors(q, k, v, s_aux, rank: int):
                              f"{tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__}")
         if s_aux.dtype not in FLOAT_DTYPES + (torch.float16,):
             raise TypeError(f"s_aux must be a float tensor, got {s_aux.dtype}")
-    tensors = {"q": q, "k": k, "v": v} | ({"s_aux": s_aux} if s_aux is not None else {})
-    if len({t.device for t in tensors.values()}) > 1:
-        raise ValueError(f"tensors must be on one device, got { {n: str(t.device) for n, t in tensors.items()} }")
+    check_same_device(q=q, k=k, v=v, s_aux=s_aux)
 
 
 def _check_cu_seqlens(name, cu, num_tokens, device, max_seqlen):
@@ -125,15 +123,6 @@ def _check_cu_seqlens(name, cu, num_tokens, device, max_seqlen):
         max_seqlen = int(max_seqlen) if max_seqlen.device.type == "cpu" else None
     if max_seqlen is not None and int(lengths.max()) > max_seqlen:
         raise ValueError(f"max_seqlen {max_seqlen} is below the longest sequence, {int(lengths.max())} tokens")
-
-
-def _pad_tokens(x: torch.Tensor, num: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, num - x.shape[0])) if num != x.shape[0] else x
-
-
-def _pad_offsets(cu: torch.Tensor, num: int) -> torch.Tensor:
-    """cu_seqlens extended to `num` offsets with empty sequences (its last value repeated)."""
-    return torch.cat([cu, cu[-1:].expand(num - cu.shape[0])]) if num != cu.shape[0] else cu
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
@@ -168,8 +157,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     num_q, num_k, num_offsets = bucket_size(tokens), bucket_size(k.shape[0]), bucket_size(cu_seqlens_q.shape[0])
     sinks = s_aux.to(q.dtype) if s_aux is not None else q.new_empty(0)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, _ = attention_op(_pad_tokens(q, num_q), _pad_tokens(k, num_k), _pad_tokens(v, num_k),
-                       _pad_offsets(cu_seqlens_q, num_offsets), _pad_offsets(cu_seqlens_k, num_offsets), sinks,
+    out, _ = attention_op(pad_rows(q, num_q), pad_rows(k, num_k), pad_rows(v, num_k),
+                       pad_offsets(cu_seqlens_q, num_offsets), pad_offsets(cu_seqlens_k, num_offsets), sinks,
                        scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
                        s_aux is not None)
     return out[:tokens] if num_q != tokens else out

@@ -9,7 +9,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import check_tensor, jax_custom_op
+from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_offsets, pad_rows
 from ._shared.tuning import bucket_size
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
@@ -36,12 +36,6 @@ def _write_jax(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cac
 attention_op = jax_custom_op(f"{OP_NAMESPACE}::ragged_paged_attention", _attention_jax)
 # On TPU the caches' buffers become the outputs (no copy of the cache); see _rebind.
 write_op = jax_custom_op(f"{OP_NAMESPACE}::reshape_and_cache_flash", _write_jax, donate=("key_cache", "value_cache"))
-
-
-def _check_devices(**tensors):
-    devices = {str(t.device) for t in tensors.values() if t is not None}
-    if len(devices) > 1:
-        raise ValueError(f"tensors must be on one device, got { {n: str(t.device) for n, t in tensors.items()} }")
 
 
 def _check_scale(name, scale):
@@ -87,11 +81,6 @@ def _check_index_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, 
                          f"[{int(pages.min())}, {int(pages.max())}]")
 
 
-def _pad_rows(x: torch.Tensor, num: int, value=0) -> torch.Tensor:
-    pad = [0, 0] * (x.dim() - 1) + [0, num - x.shape[0]]
-    return torch.nn.functional.pad(x, pad, value=value) if num != x.shape[0] else x
-
-
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, softmax_scale=None,
                            sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None):
     """Attention of the new tokens of many sequences over their pages of the KV cache.
@@ -117,7 +106,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     if num_seqs_tensor is not None and (num_seqs_tensor.numel() != 1 or num_seqs_tensor.dtype != torch.int32):
         raise ValueError(f"num_seqs must be an int or a one-element int32 tensor, got {num_seqs_tensor.dtype} "
                          f"{tuple(num_seqs_tensor.shape)}")
-    _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, page_indices=page_indices,
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, page_indices=page_indices,
                    cu_q_lens=cu_q_lens, num_seqs=num_seqs_tensor, sinks=sinks)
     _check_scale("softmax_scale", softmax_scale)
     _check_scale("k_scale", k_scale)
@@ -139,8 +128,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     tokens, seqs = q.shape[0], kv_lens.shape[0]
     num_q, num_s = bucket_size(tokens), bucket_size(seqs)
     out = attention_op(
-        _pad_rows(q, num_q), k_cache, v_cache, _pad_rows(kv_lens, num_s), _pad_rows(page_indices, num_s),
-        torch.cat([cu_q_lens, cu_q_lens[-1:].expand(num_s - seqs)]) if num_s != seqs else cu_q_lens,
+        pad_rows(q, num_q), k_cache, v_cache, pad_rows(kv_lens, num_s), pad_rows(page_indices, num_s),
+        pad_offsets(cu_q_lens, num_s + 1),
         num_seqs_tensor.reshape(()), sinks.to(q.dtype) if sinks is not None else q.new_empty(0),
         float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5, int(sliding_window or 0),
         float(softcap or 0.0), sinks is not None, float(k_scale or 1.0), float(v_scale or 1.0))
@@ -171,7 +160,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
             raise ValueError(f"{name} is a view of a larger tensor: on TPU the write reuses the cache's own buffer, "
                              "so pass the whole cache tensor")
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
-    _check_devices(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
     num_slots = key_cache.shape[0] * key_cache.shape[1]
@@ -182,8 +171,8 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
                              f"{int(slot_mapping[bad][0])}")
     tokens = key.shape[0]
     num = bucket_size(tokens)
-    new_k, new_v = write_op(_pad_rows(key, num), _pad_rows(value, num), key_cache, value_cache,
-                            _pad_rows(slot_mapping.to(torch.int32), num, value=-1), float(k_scale or 1.0),
+    new_k, new_v = write_op(pad_rows(key, num), pad_rows(value, num), key_cache, value_cache,
+                            pad_rows(slot_mapping.to(torch.int32), num, value=-1), float(k_scale or 1.0),
                             float(v_scale or 1.0))
     _rebind(key_cache, new_k)
     _rebind(value_cache, new_v)

@@ -7,7 +7,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import as_int32_index, jax_custom_op
+from ._shared.bridge import as_int32_index, check_same_device, jax_custom_op
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -78,12 +78,6 @@ def _check_tensor(name, tensor, dtypes=FLOAT_DTYPES):
         raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {tensor.dtype}")
 
 
-def _check_same_device(**tensors):
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors must be on one device, got {devices}")
-
-
 def ragged_dot(
     lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False
 ) -> torch.Tensor:
@@ -101,7 +95,7 @@ def ragged_dot(
     _check_tensor("group_sizes", group_sizes, dtypes=None)
     if rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs dtype {rhs.dtype} differs from lhs dtype {lhs.dtype}")
-    _check_same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+    check_same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
     ops.check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
     m = lhs.shape[0]
     group_sizes = as_int32_index(group_sizes, "group_sizes", 0, m)
@@ -165,7 +159,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         _check_tensor(name, tensor, dtypes)
     ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up.shape, down.shape,
                              up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"])
-    _check_same_device(**tensors)
+    check_same_device(**tensors)
     for name in (up_name, "down_proj", up_name + "_bias", "down_proj_bias"):
         if tensors[name].dtype != hidden_states.dtype:
             raise TypeError(f"{name} dtype {tensors[name].dtype} must match hidden_states' dtype {hidden_states.dtype}")

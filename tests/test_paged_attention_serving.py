@@ -213,12 +213,19 @@ def test_generate_batch_gives_the_tokens_of_generate(paged, family):
     prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 12, 3)]
     generation = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     CALLS.clear()
+    # transformers' own path gathers the context in PagedAttentionCache.update: ours must never call it.
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    gathers, update = [], PagedAttentionCache.update
     ALL_ATTENTION_FUNCTIONS.register(implementation, attention)
+    PagedAttentionCache.update = lambda self, *args, **kwargs: gathers.append(1) or update(self, *args, **kwargs)
     try:
         with torch.no_grad():
             batched = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=BATCHING)
     finally:
         ALL_ATTENTION_FUNCTIONS.register(implementation, served)
+        PagedAttentionCache.update = update
+    assert not gathers, "the context must be read from the pages, not gathered by cache.update"
     assert set(layers) == set(range(config.num_hidden_layers)), "our function must serve every layer"
     assert len(CALLS) == len(layers), "and each call must run our kernel"
     assert len(batched) == len(prompts)

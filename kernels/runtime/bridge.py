@@ -84,6 +84,24 @@ def check_tensor(name: str, t, rank: int, dtypes) -> None:
         raise TypeError(f"{name} must be one of {[str(d).removeprefix('torch.') for d in dtypes]}, got {t.dtype}")
 
 
+def check_same_device(**tensors) -> None:
+    """All given tensors (None: absent) on one device, else an error listing them by name."""
+    devices = {name: str(t.device) for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must be on one device, got {devices}")
+
+
+def pad_rows(x: torch.Tensor, num: int, value=0) -> torch.Tensor:
+    """x with rows of `value` appended along dim 0 up to `num` rows (bucketed shapes)."""
+    pad = [0, 0] * (x.dim() - 1) + [0, num - x.shape[0]]
+    return torch.nn.functional.pad(x, pad, value=value) if num != x.shape[0] else x
+
+
+def pad_offsets(cu: torch.Tensor, num: int) -> torch.Tensor:
+    """Cumulative offsets extended to `num` entries with empty sequences (the last value repeated)."""
+    return torch.cat([cu, cu[-1:].expand(num - cu.shape[0])]) if num != cu.shape[0] else cu
+
+
 def tpu_generation() -> str:
     """The generation of the TPU that torch_tpu runs on, as JAX sees it."""
     return generation_of_device_kind(jax.devices("tpu")[0].device_kind).name
