@@ -164,3 +164,20 @@ def test_device_check_needs_no_host_values():
     bad[1, 1] = PAGES + 3
     out = ops.ragged_paged_attention(*(jnp.asarray(t.numpy()) for t in (q, k, v, kv_lens, bad, cu)), live)
     assert bool(jnp.isnan(out).all())
+
+
+def test_token_and_sequence_counts_are_bucketed(monkeypatch):
+    """Calls with 17 or 18 tokens over 3 or 4 sequences reach the kernel as one shape: a serving
+    loop compiles a bounded set of programs."""
+    shapes = set()
+    op = torch_ops.attention_op
+
+    def recorded(*args):
+        shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        return op(*args)
+
+    monkeypatch.setattr(torch_ops, "attention_op", recorded)
+    q, k, v, kv_lens, table, cu, live = _batch()
+    for tokens, seqs in ((18, 4), (17, 4), (17, 3)):
+        paged_attention.ragged_paged_attention(q[:tokens], k, v, kv_lens[:seqs], table[:seqs], cu[:seqs + 1], 3)
+    assert len(shapes) == 1, shapes
