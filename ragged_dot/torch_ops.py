@@ -23,8 +23,9 @@ ACTIVATION_CLASSES = {
     ("transformers.activations", "PytorchGELUTanh"): "gelu_tanh",
     ("transformers.activations", "GELUActivation"): "gelu",
 }
-# Experts classes whose own _apply_gate we implement: qualname -> (gate, attributes read).
-CUSTOM_GATES = {"GptOssExperts._apply_gate": (ops.CLAMPED_SWIGLU, ("alpha", "limit"))}
+# Gates are named by (module, function name): torch.compile cannot trace `__qualname__`.
+# Experts classes whose own _apply_gate we implement -> (gate, attributes read).
+CUSTOM_GATES = {("transformers.models.gpt_oss.modeling_gpt_oss", "_apply_gate"): (ops.CLAMPED_SWIGLU, ("alpha", "limit"))}
 DEFAULT_GATE = ("transformers.integrations.moe", "_default_apply_gate")
 
 
@@ -121,10 +122,11 @@ def _experts_layout(self) -> dict:
     layout = dict(gated=gated, interleaved=not getattr(self, "is_concatenated", True),
                   transposed=getattr(self, "is_transposed", False), alpha=0.0, limit=0.0)
     gate = getattr(type(self), "_apply_gate", None)
-    if gated and gate is not None and (gate.__module__, gate.__qualname__) != DEFAULT_GATE:
-        if gate.__qualname__ not in CUSTOM_GATES:
-            raise _unsupported(self, f"its own gate {gate.__qualname__}")
-        layout["activation"], attributes = CUSTOM_GATES[gate.__qualname__]
+    gate_name = (gate.__module__, gate.__name__) if gate is not None else DEFAULT_GATE
+    if gated and gate_name != DEFAULT_GATE:
+        if gate_name not in CUSTOM_GATES:
+            raise _unsupported(self, f"its own _apply_gate (from {gate_name[0]})")
+        layout["activation"], attributes = CUSTOM_GATES[gate_name]
         layout.update({name: float(getattr(self, name)) for name in attributes})
         return layout
     act = getattr(self, "act_fn", None)

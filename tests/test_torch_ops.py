@@ -150,7 +150,7 @@ BAD_EXPERTS = [
     (dict(has_post_expert_norm=True), {}, NotImplementedError, "has_post_expert_norm=True"),
     (dict(act_fn=torch.nn.GELU()), {}, NotImplementedError, "activation GELU"),
     (dict(act_fn=torch.nn.Tanh()), {}, NotImplementedError, "activation Tanh"),
-    (dict(cls=_OwnGate), {}, NotImplementedError, "_OwnGate with its own gate _OwnGate._apply_gate"),
+    (dict(cls=_OwnGate), {}, NotImplementedError, "_OwnGate with its own _apply_gate"),
     (dict(has_bias=True, gate_up_proj_bias=torch.zeros(4, 7), down_proj_bias=torch.zeros(4, 128)), {},
      ValueError, r"gate_up_proj_bias \(4, 7\) should be \(4, 256\)"),
     (dict(is_transposed=True), {}, ValueError, "does not fit hidden_states"),

@@ -120,3 +120,18 @@ def test_bf16_model_close_to_fp32_eager():
     with torch.no_grad():
         got, want = ours(ids).logits.float(), eager(ids).logits
     assert (got - want).abs().max().item() < 5e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_whole_model_compiles_in_one_graph(family):
+    """torch.compile(fullgraph=True, dynamic=False), TorchTPU's fast mode, over
+    the whole model with our experts: one graph (any break raises), our
+    kernel in it, the eager logits (fp32; only summation order differs)."""
+    ours, eager, num_experts_modules = _models(family)
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    CALLS.clear()
+    with torch.no_grad():
+        compiled = torch.compile(ours, fullgraph=True, dynamic=False)(ids).logits
+        assert len(CALLS) == num_experts_modules, "the compiled graph must call our experts forward in every MoE layer"
+        torch.testing.assert_close(compiled, eager(ids).logits, rtol=0, atol=1e-4)
