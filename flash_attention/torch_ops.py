@@ -11,7 +11,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_offsets, pad_rows
+from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_offsets, pad_rows, values_on_host
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -110,7 +110,7 @@ def _check_cu_seqlens(name, cu, num_tokens, device, max_seqlen):
         raise ValueError(f"{name} is on {cu.device}, q on {device}")
     # Values are checked here only where reading them costs no device round trip; on a TPU an
     # invalid cu_seqlens makes the output NaN instead (ops.cu_seqlens_valid).
-    if cu.device.type != "cpu" or torch.compiler.is_compiling():
+    if not values_on_host(cu):
         return
     if int(cu[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
@@ -120,7 +120,7 @@ def _check_cu_seqlens(name, cu, num_tokens, device, max_seqlen):
     if int(cu[-1]) > num_tokens:
         raise ValueError(f"{name} ends at {int(cu[-1])}, past the {num_tokens} tokens given")
     if isinstance(max_seqlen, torch.Tensor):
-        max_seqlen = int(max_seqlen) if max_seqlen.device.type == "cpu" else None
+        max_seqlen = int(max_seqlen) if values_on_host(max_seqlen) else None
     if max_seqlen is not None and int(lengths.max()) > max_seqlen:
         raise ValueError(f"max_seqlen {max_seqlen} is below the longest sequence, {int(lengths.max())} tokens")
 

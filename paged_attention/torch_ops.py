@@ -9,7 +9,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_offsets, pad_rows
+from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_offsets, pad_rows, values_on_host
 from ._shared.tuning import bucket_size
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
@@ -45,11 +45,6 @@ def _check_scale(name, scale):
 
 def _spec(t: torch.Tensor) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(t.shape), str(t.dtype).removeprefix("torch."))
-
-
-def _on_host(t: torch.Tensor) -> bool:
-    """Values are read only where that costs no device round trip (and not while compiling)."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _check_index_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, num_pages, page_size):
@@ -118,7 +113,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     # Shapes (heads, head_dim, page and sequence counts) are checked by ops, with the same names.
     ops.check_shapes(*(_spec(t) for t in (q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens)),
                      None if sinks is None else _spec(sinks))
-    if _on_host(kv_lens):
+    if values_on_host(kv_lens):
         live = int(num_seqs_tensor) if num_seqs_tensor is not None else int(num_seqs)
         _check_index_values(kv_lens, page_indices, cu_q_lens, live, q.shape[0], k_cache.shape[0], k_cache.shape[1])
     if num_seqs_tensor is None:
@@ -164,15 +159,16 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if _on_host(slot_mapping) and slot_mapping.numel():
+    if values_on_host(slot_mapping) and slot_mapping.numel():
         bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
         if bool(bad.any()):
             raise ValueError(f"slot_mapping values must be -1 (skip) or lie in [0, {num_slots}), got "
                              f"{int(slot_mapping[bad][0])}")
     tokens = key.shape[0]
     num = bucket_size(tokens)
-    new_k, new_v = write_op(pad_rows(key, num), pad_rows(value, num), key_cache, value_cache,
-                            pad_rows(slot_mapping.to(torch.int32), num, value=-1), float(k_scale or 1.0),
-                            float(v_scale or 1.0))
+    # Clamped before narrowing: an int64 slot past the cache must not wrap into it (-1 and num_slots are skipped).
+    slots = pad_rows(slot_mapping.clamp(-1, num_slots).to(torch.int32), num, value=-1)
+    new_k, new_v = write_op(pad_rows(key, num), pad_rows(value, num), key_cache, value_cache, slots,
+                            float(k_scale or 1.0), float(v_scale or 1.0))
     _rebind(key_cache, new_k)
     _rebind(value_cache, new_v)

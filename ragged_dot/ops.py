@@ -124,6 +124,20 @@ def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, dow
         raise ValueError(f"top_k_index {index} and top_k_weights {weights} must both be [T, k] with T = {tokens}")
 
 
+def walkable_group_sizes(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(sizes, valid), on the device: group sizes the kernels can walk whatever the input holds
+    (negative sizes read as 0, groups cut at num_rows, so no kernel reads past lhs), and whether
+    the input was valid (non-negative, summing to at most num_rows). Summed with saturation at
+    num_rows + 1: no int32 overflow however large the values."""
+    if group_sizes.shape[0] == 0:
+        return group_sizes, jnp.bool_(True)
+    cap = num_rows + 1
+    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), jnp.clip(group_sizes, 0, cap))
+    valid = jnp.all(group_sizes >= 0) & (ends[-1] <= num_rows)
+    ends = jnp.minimum(ends, num_rows)
+    return jnp.diff(ends, prepend=0).astype(jnp.int32), valid
+
+
 def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, interpret=None):
     """Grouped matmul with `jax.lax.ragged_dot` semantics.
 
@@ -137,11 +151,14 @@ def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, i
         `pltpu.InterpretParams` interprets (default: True off-TPU).
 
     Returns [M, N] in lhs's dtype (accumulated in fp32); rows past
-    sum(group_sizes) are zero.
+    sum(group_sizes) are zero. Invalid group_sizes (a negative size, a sum
+    past M) make the whole output NaN: checked on the device, with no
+    round trip to the host, and no kernel reads outside its inputs.
     """
     check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
     generation, interpret = _resolve(generation, interpret)
-    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs, generation, interpret)
+    sizes, valid = walkable_group_sizes(group_sizes.astype(jnp.int32), lhs.shape[0])
+    return jnp.where(valid, _ragged_dot(lhs, rhs, sizes, transpose_rhs, generation, interpret), jnp.nan)
 
 
 def route(top_k_index, num_experts):
@@ -195,7 +212,10 @@ def experts_forward(
     when gated, else up_proj [E, I, H]; down_proj [E, H, I]; with
     `transposed` they are [E, H, U] and [E, I, H]. Biases [E, U] and [E, H]
     (None or empty: no bias). activation: a key of ACTIVATIONS, or
-    CLAMPED_SWIGLU with alpha and limit. Returns [T, H].
+    CLAMPED_SWIGLU with alpha and limit. Returns [T, H]. An id outside
+    [0, E] makes the whole output NaN: checked on the device, with no round
+    trip to the host (such rows are never multiplied: routing cannot place
+    a row outside the groups).
     """
     up_bias = None if up_bias is None or up_bias.size == 0 else up_bias
     down_bias = None if down_bias is None or down_bias.size == 0 else down_bias
@@ -207,8 +227,9 @@ def experts_forward(
     generation, interpret = _resolve(generation, interpret)
     num_tokens, top_k = top_k_index.shape
     num_experts = up_proj.shape[0]
-    order, group_sizes = route(top_k_index, num_experts)
-    expert_of_row = top_k_index.reshape(-1)[order]
+    ids = jnp.clip(top_k_index, 0, num_experts)  # what the kernels walk; invalid ids are reported below
+    order, group_sizes = route(ids, num_experts)
+    expert_of_row = ids.reshape(-1)[order]
     routed_here = expert_of_row < num_experts
     x = hidden_states[order // top_k]
 
@@ -226,4 +247,5 @@ def experts_forward(
     weighted = y * weight[:, None]
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
-    return out.astype(hidden_states.dtype)
+    ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
+    return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)

@@ -7,7 +7,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import as_int32_index, check_same_device, jax_custom_op
+from ._shared.bridge import as_int32_index, check_same_device, jax_custom_op, values_on_host
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -100,8 +100,8 @@ def ragged_dot(
     ops.check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
     m = lhs.shape[0]
     group_sizes = as_int32_index(group_sizes, "group_sizes", 0, m)
-    if not torch.compiler.is_compiling() and int(group_sizes.sum()) > m:
-        raise ValueError(f"group_sizes sum to {int(group_sizes.sum())}, more than lhs's {m} rows")
+    if values_on_host(group_sizes) and int(group_sizes.sum(dtype=torch.int64)) > m:
+        raise ValueError(f"group_sizes sum to {int(group_sizes.sum(dtype=torch.int64))}, more than lhs's {m} rows")
     # Rows past sum(group_sizes) cost no matmul, so padding M to a bucket is
     # cheap and bounds the shapes (compiles) the op sees.
     padded = bucket_size(m)

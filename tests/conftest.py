@@ -32,3 +32,30 @@ import kernels  # noqa: E402
 
 # Our kernels/ folder has no __init__.py, so Hugging Face's library wins.
 assert hasattr(kernels, "get_kernel"), f"`import kernels` found {kernels!r}, not Hugging Face's kernels"
+
+
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Reading a tensor's value in Python: on a TPU each one drains torch_tpu's queue (a sync).
+VALUE_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
+
+
+@pytest.fixture
+def device_branch(monkeypatch):
+    """Our torch layers take, on CPU tensors, the branch TPU tensors take (`values_on_host` is
+    False), and every read of a tensor's value in Python is recorded: the list returned must stay
+    empty for the path to be free of host syncs."""
+    for kernel in ("ragged_dot", "flash_attention", "paged_attention"):
+        for module in (f"{kernel}.torch_ops", f"{kernel}._shared.bridge"):
+            monkeypatch.setattr(importlib.import_module(module), "values_on_host", lambda tensor: False)
+    reads = []
+    for name in VALUE_READS:
+        def counted(self, *args, _read=getattr(torch.Tensor, name), _name=name, **kwargs):
+            reads.append(_name)
+            return _read(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads

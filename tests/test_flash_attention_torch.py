@@ -131,3 +131,17 @@ def test_backward_reuses_the_forward_statistics():
                               if n in str(jax.make_jaxpr(fn)(*a))}
     assert kernels(forward, q, k, v) == {"flash_attention_fwd"}
     assert kernels(backward, out, lse, out, jnp.zeros_like(lse)) == {"flash_attention_dkv"}
+
+
+def test_device_branch_reads_no_value_and_reports_bad_offsets(device_branch):
+    """The branch TPU tensors take reads no value on the host (each read would be a sync in
+    torch_tpu's eager mode; max_seqlen as a tensor included) and gives the JAX function's result;
+    invalid offsets make the whole output NaN instead of raising."""
+    q, k, v, cu_q, cu_k = _varlen()
+    call = lambda cu_q: flash_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=torch.tensor(20),
+                                                               max_seqlen_k=torch.tensor(30), causal=True)
+    good, bad = call(cu_q), call(torch.tensor([0, 10, 40], dtype=torch.int32))
+    assert device_branch == [], f"the device branch read tensor values on the host: {device_branch}"
+    want = ops.flash_attention_varlen(*(jnp.asarray(t.numpy()) for t in (q, k, v, cu_q, cu_k)), causal=True)
+    np.testing.assert_allclose(good.numpy(), np.asarray(want), rtol=0, atol=1e-6)
+    assert np.isnan(bad.numpy()).all()

@@ -181,3 +181,20 @@ def test_token_and_sequence_counts_are_bucketed(monkeypatch):
     for tokens, seqs in ((18, 4), (17, 4), (17, 3)):
         paged_attention.ragged_paged_attention(q[:tokens], k, v, kv_lens[:seqs], table[:seqs], cu[:seqs + 1], 3)
     assert len(shapes) == 1, shapes
+
+
+def test_device_branch_reads_no_value_and_reports_bad_indices(device_branch):
+    """The branch TPU tensors take reads no value on the host (each read would be a sync in
+    torch_tpu's eager mode) and gives the reference's result; a page index past the cache makes
+    the output NaN; an int64 slot past the cache (past int32 too) is not written anywhere."""
+    q, k, v, kv_lens, table, cu, live = _batch()
+    call = lambda table: paged_attention.ragged_paged_attention(q, k, v, kv_lens, table, cu, live)
+    bad_table = table.clone()
+    bad_table[1, 1] = PAGES + 3
+    device_branch.clear()  # the reads building the inputs
+    good, bad = call(table), call(bad_table)
+    new, cache = torch.ones(2, HKV, D), torch.zeros(PAGES, PAGE_SIZE, HKV, D)
+    paged_attention.reshape_and_cache_flash(new, new, cache, cache.clone(), torch.tensor([(1 << 32) + 3, -7]))
+    assert device_branch == [], f"the device branch read tensor values on the host: {device_branch}"
+    torch.testing.assert_close(good, _reference(q, k, v, kv_lens, table, cu, live), rtol=0, atol=1e-5)
+    assert torch.isnan(bad).all() and not cache.any()

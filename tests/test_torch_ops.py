@@ -216,3 +216,44 @@ def test_nan_routing_weight_propagates_to_its_token_only():
     out = ragged_dot.experts_forward(_Experts(gate_up, down), hidden, index, weights)
     assert torch.isnan(out[2]).all(), "a NaN routing weight must not be hidden"
     assert not torch.isnan(out[torch.arange(len(out)) != 2]).any()
+
+
+BAD_DEVICE_VALUES = {
+    "group_sizes summing past lhs's rows": dict(gs=lambda gs: gs + 20),
+    "a negative group size": dict(gs=lambda gs: gs - torch.tensor([0, 1, 0], dtype=gs.dtype)),
+    "int64 group sizes past int32 (they would wrap into range)": dict(gs=lambda gs: gs.long() + (1 << 32)),
+    "an expert id past the sentinel": dict(index=lambda i: i + 5),
+    "a negative expert id": dict(index=lambda i: i - 1 - i.abs()),
+    "int64 expert ids past int32 (they would wrap into range)": dict(index=lambda i: i.long() + (1 << 32)),
+}
+
+
+def _device_branch_outputs(gs=lambda x: x, index=lambda x: x):
+    """(ragged_dot, experts_forward) through the public torch entry points."""
+    lhs, rhs, sizes = _ragged_inputs()
+    hidden, ids, weights, gate_up, down = _experts_inputs()
+    return (ragged_dot.ragged_dot(lhs, rhs, gs(sizes), transpose_rhs=True),
+            ragged_dot.experts_forward(_Experts(gate_up, down), hidden, index(ids), weights))
+
+
+def test_device_branch_reads_no_value_on_the_host(device_branch):
+    """TPU tensors take a branch that never reads an index value in Python (each read would be a
+    device-to-host sync in torch_tpu's eager mode) and gives the host branch's results."""
+    on_device = _device_branch_outputs()
+    assert device_branch == [], f"the device branch read tensor values on the host: {device_branch}"
+    device_branch.clear()
+    lhs, rhs, sizes = _ragged_inputs()
+    hidden, ids, weights, gate_up, down = _experts_inputs()
+    torch.testing.assert_close(on_device[0], torch_ops.ragged_dot_op(lhs, rhs, sizes, True))
+    torch.testing.assert_close(on_device[1], torch_ops.experts_forward_op(
+        *_experts_op_args(hidden, ids, weights, gate_up, down)))
+
+
+@pytest.mark.parametrize("bad", BAD_DEVICE_VALUES.values(), ids=BAD_DEVICE_VALUES.keys())
+def test_device_branch_reports_bad_values_as_nan(device_branch, bad):
+    """Where the host may not read them, bad index values make the op's whole output NaN, read
+    without a sync, and no kernel reads outside its inputs (the kernels walk clamped values)."""
+    outputs = _device_branch_outputs(**bad)
+    assert device_branch == []
+    bad_output = outputs[0] if "gs" in bad else outputs[1]
+    assert bool(torch.isnan(bad_output).all())

@@ -61,13 +61,24 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
+def values_on_host(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's values may be read in Python: only where that costs no device round trip
+    (a CPU tensor, outside torch.compile's tracing). Elsewhere (a TPU, eager by default and
+    asynchronous) the kernels check index values on the device and report bad ones as NaN outputs."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def as_int32_index(tensor: torch.Tensor, name: str, low: int, high: int) -> torch.Tensor:
     """Index tensors reach JAX as int32 (JAX without x64 would narrow int64
-    silently). Values must lie in [low, high]; checked here, before any
-    kernel runs, except while torch.compile traces (no values then)."""
+    silently). Values must lie in [low, high]: checked here where
+    `values_on_host`; elsewhere they are clamped to [low - 1, high + 1], so an
+    out-of-range value (int64 past int32 included) stays out of range for the
+    kernel's own check instead of wrapping into range."""
     if tensor.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
-    if tensor.numel() and not torch.compiler.is_compiling():
+    if not values_on_host(tensor):
+        return tensor.clamp(low - 1, high + 1).to(torch.int32)
+    if tensor.numel():
         lo, hi = int(tensor.min()), int(tensor.max())
         if lo < low or hi > high:
             raise ValueError(f"{name} values must lie in [{low}, {high}], got range [{lo}, {hi}]")
