@@ -9,6 +9,8 @@ import tempfile
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # torch_tpu would autoload on `import torch`
 os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+# CPU XLA may otherwise skip a rounding to bf16 that a TPU performs, hiding a bf16 accumulator.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # kernels reads its cache directory once, at import: tests that load a built kernel in this process (as
 # transformers does for attn_implementation="<org>/<repo>") lay their Hub cache out here.

@@ -194,3 +194,79 @@ def test_jax_entry_point_rejects_bad_shapes(shapes, message):
     lhs, rhs, gs = (jnp.zeros(s, jnp.int32 if len(s) == 1 and i == 2 else jnp.float32) for i, s in enumerate(shapes))
     with pytest.raises(ValueError, match=message):
         ops.ragged_dot(lhs, rhs, gs)
+
+
+# ---- bf16: partial sums must stay in fp32 across K steps and row windows.
+# The bound below is per element and derived from the inputs alone: rounding the exact result
+# to bf16 (half an ulp: 2^-8 relative) plus fp32 summation of n exact bf16 products
+# (n * 2^-24 of the sum of their magnitudes). A partial sum rounded to bf16 between steps
+# adds 2^-8 of a partial's magnitude, far past the bound where the result is small.
+
+
+def _exact_grouped(lhs, rhs, sizes):
+    """float64 per-group products and their magnitudes: (sum a b, sum |a b|), [M, N]."""
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out, mag = np.zeros((lhs.shape[0], rhs.shape[-1])), np.zeros((lhs.shape[0], rhs.shape[-1]))
+    for g, (lo, hi) in enumerate(zip(np.cumsum([0] + sizes[:-1]), np.cumsum(sizes))):
+        out[lo:hi], mag[lo:hi] = lhs[lo:hi] @ rhs[g], np.abs(lhs[lo:hi]) @ np.abs(rhs[g])
+    return out, mag
+
+
+def _assert_within_bf16_rounding(got, exact, magnitude, terms):
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    bound = 2.0**-8 * np.abs(exact) + terms * 2.0**-24 * magnitude + 1e-30
+    worst = np.max(np.abs(got - exact) / bound)
+    assert worst <= 1, f"error {worst:.2f}x the bf16 rounding bound"
+
+
+BF16_SIZES = [100, 0, 90, 50]  # groups straddling 128-row tiles; 16 rows past the last group
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_bf16_forward_keeps_fp32_partial_sums_over_k_steps(transpose_rhs):
+    """K = 512 in four 128-wide steps, each tile visited once per group it holds."""
+    from ragged_dot import kernel
+
+    m, k, n = 256, 512, 256
+    lhs, rhs, gs = _inputs(m, k, n, BF16_SIZES, jnp.bfloat16, transpose_rhs, seed=5)
+    out = kernel.grouped_matmul(lhs, rhs, gs, blocks=kernel.BlockSizes(128, 128, 128), transpose_rhs=transpose_rhs,
+                                out_dtype=jnp.bfloat16, vmem_limit=32 << 20, interpret=True)
+    weights = np.asarray(rhs.astype(jnp.float32))
+    exact, magnitude = _exact_grouped(lhs.astype(jnp.float32), weights.swapaxes(1, 2) if transpose_rhs else weights,
+                                      BF16_SIZES)
+    _assert_within_bf16_rounding(out, exact, magnitude, k)
+
+
+@pytest.mark.parametrize("at_group_start", [True, False], ids=["group-start", "tiles"])
+def test_bf16_weight_grad_keeps_fp32_partial_sums_over_windows(at_group_start):
+    """Each group's rows span several 64-row windows, contracted in 32-row sub-blocks."""
+    from ragged_dot import kernel
+
+    rng = np.random.default_rng(6)
+    m, p, q = 256, 128, 256
+    a = jnp.asarray(rng.standard_normal((m, p)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((m, q)), jnp.bfloat16)
+    out = kernel.transposed_grouped_matmul(a, b, jnp.asarray(BF16_SIZES, jnp.int32),
+                                           blocks=kernel.BlockSizes(64, 128, 128, at_group_start),
+                                           out_dtype=jnp.bfloat16, vmem_limit=32 << 20, sub_rows=32, interpret=True)
+    a64, b64 = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+    for g, (lo, hi) in enumerate(zip(np.cumsum([0] + BF16_SIZES[:-1]), np.cumsum(BF16_SIZES))):
+        exact, magnitude = a64[lo:hi].T @ b64[lo:hi], np.abs(a64[lo:hi]).T @ np.abs(b64[lo:hi])
+        _assert_within_bf16_rounding(out[g], exact, magnitude, hi - lo)
+
+
+def test_bf16_gradients_within_bf16_rounding():
+    """jax.grad through ops.ragged_dot in bf16 (the tables' blocks for v6e): the activations'
+    gradient and the weights' gradient, each against float64."""
+    m, k, n = 256, 512, 256
+    lhs, rhs, gs = _inputs(m, k, n, BF16_SIZES, jnp.bfloat16, True, seed=7)
+    cot = jnp.asarray(np.random.default_rng(8).standard_normal((m, n)), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda a, b: ops.ragged_dot(a, b, gs, transpose_rhs=True, generation="v6e"), lhs, rhs)
+    grad_lhs, grad_rhs = vjp(cot)
+    w = np.asarray(rhs.astype(jnp.float32), np.float64)  # [G, N, K]
+    exact, magnitude = _exact_grouped(cot.astype(jnp.float32), w, BF16_SIZES)
+    _assert_within_bf16_rounding(grad_lhs[:sum(BF16_SIZES)], exact[:sum(BF16_SIZES)], magnitude[:sum(BF16_SIZES)], n)
+    c64, l64 = np.asarray(cot.astype(jnp.float32), np.float64), np.asarray(lhs.astype(jnp.float32), np.float64)
+    for g, (lo, hi) in enumerate(zip(np.cumsum([0] + BF16_SIZES[:-1]), np.cumsum(BF16_SIZES))):
+        exact, magnitude = c64[lo:hi].T @ l64[lo:hi], np.abs(c64[lo:hi]).T @ np.abs(l64[lo:hi])
+        _assert_within_bf16_rounding(grad_rhs[g], exact, magnitude, hi - lo)

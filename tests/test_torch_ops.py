@@ -109,6 +109,7 @@ BAD_RAGGED = [
     (lambda l, r, g: (l, r, g.float()), TypeError, "group_sizes must be int32 or int64"),
     (lambda l, r, g: (l, r, torch.tensor([10, -1, 20])), ValueError, "group_sizes values must lie in"),
     (lambda l, r, g: (l, r, torch.tensor([10, 0, 30])), ValueError, "sum to 40, more than lhs's 37 rows"),
+    (lambda l, r, g: (l, r, torch.tensor([10, 0, 1 << 32])), ValueError, r"values must lie in \[0, 37\]"),  # not wrapped
     (lambda l, r, g: (l, r, g[:2]), ValueError, "group_sizes has 2 groups, rhs has 3"),
     (lambda l, r, g: (l[:, :64], r, g), ValueError, "does not contract"),
     (lambda l, r, g: (l.to("meta"), r, g), ValueError, "one device"),
@@ -156,6 +157,7 @@ BAD_EXPERTS = [
     (dict(is_transposed=True), {}, ValueError, "does not fit hidden_states"),
     ({}, dict(index=lambda i: i + 5), ValueError, "top_k_index values must lie in"),
     ({}, dict(index=lambda i: i - 1 - i.abs()), ValueError, "top_k_index values must lie in"),
+    ({}, dict(index=lambda i: i.long() + (1 << 32)), ValueError, r"top_k_index values must lie in \[0, 4\]"),
     ({}, dict(index=lambda i: i.float()), TypeError, "top_k_index must be int32 or int64"),
     ({}, dict(weights=lambda w: w[:, :1]), ValueError, "must both be"),
     ({}, dict(hidden=lambda h: h[:, :64]), ValueError, "does not fit hidden_states"),
@@ -257,3 +259,73 @@ def test_device_branch_reports_bad_values_as_nan(device_branch, bad):
     assert device_branch == []
     bad_output = outputs[0] if "gs" in bad else outputs[1]
     assert bool(torch.isnan(bad_output).all())
+
+
+def test_a_token_routed_only_to_the_sentinel_gets_exactly_zero_with_biases():
+    """Rows routed to another shard (id E) get no bias: with biases, a token whose every slot is
+    the sentinel must come out exactly zero, and the others must match the dense reference."""
+    hidden, index, weights, gate_up, down = _experts_inputs()
+    e = gate_up.shape[0]
+    index[0] = e
+    index[1:] = index[1:] % e  # the others routed here
+    g = torch.Generator().manual_seed(9)
+    up_bias, down_bias = torch.randn(e, gate_up.shape[1], generator=g), torch.randn(e, down.shape[1], generator=g)
+    module = _Experts(gate_up, down, has_bias=True, gate_up_proj_bias=up_bias, down_proj_bias=down_bias)
+    out = ragged_dot.experts_forward(module, hidden, index, weights)
+    assert not out[0].any(), "a token routed only to the sentinel must be exactly zero"
+    expected = torch.zeros_like(hidden)
+    for t in range(1, hidden.shape[0]):
+        for slot in range(index.shape[1]):
+            x = index[t, slot]
+            gate, up = (hidden[t] @ gate_up[x].T + up_bias[x]).chunk(2)
+            expected[t] += weights[t, slot] * ((torch.nn.functional.silu(gate) * up) @ down[x].T + down_bias[x])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-4)
+
+
+def test_padding_tokens_cost_no_matmul(monkeypatch):
+    """The torch layer pads 6 tokens to the next bucket (8); the padding must be routed to the
+    sentinel, so the groups the kernel walks hold exactly the 6 x k real rows."""
+    hidden, index, weights, gate_up, down = _experts_inputs()
+    index = index % gate_up.shape[0]  # every real slot routed here
+    walked = []
+    route = ragged_dot.ops.route
+
+    def recorded(ids, num_experts):
+        order, group_sizes = route(ids, num_experts)
+        jax.debug.callback(lambda sizes: walked.append(int(sizes.sum())), group_sizes)
+        return order, group_sizes
+
+    monkeypatch.setattr(ragged_dot.ops, "route", recorded)
+    jax.clear_caches()  # trace again, with the recording route
+    ragged_dot.experts_forward(_Experts(gate_up, down), hidden, index, weights)
+    jax.effects_barrier()  # the callback may run after the result is ready
+    jax.clear_caches()  # later calls trace the real route again
+    assert walked == [index.numel()], f"the kernel walked {walked} rows for {index.numel()} routed slots"
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_a_group_full_of_inf_stays_in_its_group(transpose_rhs):
+    """Group 1's rows and weights are all inf; groups 0 and 2 share m tiles with it and must
+    match a per-group torch reference, in the output and in both gradients."""
+    lhs, rhs, _ = _ragged_inputs()
+    if not transpose_rhs:
+        rhs = rhs.transpose(1, 2).contiguous()
+    sizes = [10, 7, 20]
+    lhs[10:17], rhs[1] = float("inf"), float("inf")
+    others = torch.cat([torch.arange(10), torch.arange(17, 37)])
+    cotangent = torch.zeros(37, 256)
+    cotangent[others] = torch.randn(len(others), 256, generator=torch.Generator().manual_seed(4))
+
+    def run(fn):
+        a, b = lhs.clone().requires_grad_(), rhs.clone().requires_grad_()
+        out = fn(a, b)
+        out.backward(cotangent)  # zero on group 1's (inf) rows: its gradient must stay out of the others
+        return out[others], a.grad[others], b.grad[[0, 2]]
+
+    def per_group(a, b):
+        weights = b.transpose(1, 2) if transpose_rhs else b
+        return torch.cat([part @ weights[g] for g, part in enumerate(a.split(sizes))])
+
+    ours = run(lambda a, b: ragged_dot.ragged_dot(a, b, torch.tensor(sizes), transpose_rhs=transpose_rhs))
+    for got, want in zip(ours, run(per_group)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())

@@ -135,3 +135,20 @@ def test_whole_model_compiles_in_one_graph(family):
         compiled = torch.compile(ours, fullgraph=True, dynamic=False)(ids).logits
         assert len(CALLS) == num_experts_modules, "the compiled graph must call our experts forward in every MoE layer"
         torch.testing.assert_close(compiled, eager(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_gpt_oss_clamp_active():
+    """gpt-oss clamps its gate and up projections at `limit` (7 in the real model, never
+    reached by a tiny random one): at limit 0.05 most values are clamped, and ours still
+    gives the eager logits."""
+    ours, eager, _ = _models("gpt_oss")
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        unclamped = eager(ids).logits
+        for model in (ours, eager):
+            for module in model.modules():
+                if hasattr(module, "limit"):
+                    module.limit = 0.05
+        want = eager(ids).logits
+        assert (want - unclamped).abs().max() > 1e-2, "the clamp must change the logits for this test to guard it"
+        torch.testing.assert_close(ours(ids).logits, want, rtol=0, atol=1e-4)
