@@ -115,3 +115,36 @@ def test_missing_jax_says_what_to_install(key):
     pins = (build_collection.REPO_ROOT / "requirements.txt").read_text().split()
     assert all(pin in pins for pin in dependencies.TESTED_JAX.split()), "the message names the tested pins"
     assert f"pip install {dependencies.TESTED_JAX}" in result.stderr
+
+
+def test_untested_jax_warns_once(monkeypatch):
+    """Another jax than the tested one warns once per kernel, naming both; the tested one is silent."""
+    import warnings
+
+    import jax
+    from runtime import dependencies
+
+    monkeypatch.setattr(dependencies, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dependencies.require_jax("some-kernel")  # the pinned jax: no warning
+    monkeypatch.setattr(jax, "__version__", "0.9.0")
+    with pytest.warns(UserWarning) as caught:
+        dependencies.require_jax("some-kernel")
+        dependencies.require_jax("some-kernel")
+    assert len(caught) == 1
+    assert "tested with jax==0.10.2 jaxlib==0.10.2, found jax==0.9.0 jaxlib==0.10.2" in str(caught[0].message)
+
+
+def test_docs_name_only_files_in_the_repo():
+    """README.md and docs/ stand alone: no link out of the repo, and every file path they name
+    exists here."""
+    import re
+
+    root = build_collection.REPO_ROOT
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        assert "../" not in text, f"{doc.name} points outside the repo"
+        for path in re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:md|py|json|toml|txt))", text):
+            if "<" not in path:
+                assert (root / path).exists(), f"{doc.name} names {path}, which is not in the repo"
