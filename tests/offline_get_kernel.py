@@ -2,7 +2,11 @@
 way users do, `get_kernel(repo_id, version=N)`, offline from a Hub cache, and
 prints JSON about what was loaded and how it computed.
 
-usage: offline_get_kernel.py CACHE REPO_ID VERSION [--torch-backends-tpu]
+With `--hub URL` it loads online instead, from the Hub at URL (tests/local_hub.py),
+into the empty cache CACHE: kernels' publisher trust check runs, and `--trust` passes
+the README's opt-in, `trust_remote_code=[repo_id]`. A refused load prints {"refused": why}.
+
+usage: offline_get_kernel.py CACHE REPO_ID VERSION [--torch-backends-tpu] [--hub URL [--trust]]
 """
 
 import json
@@ -11,9 +15,12 @@ import sys
 import types
 
 cache, repo_id, version = sys.argv[1], sys.argv[2], int(sys.argv[3])
+hub = sys.argv[sys.argv.index("--hub") + 1] if "--hub" in sys.argv else None
 # Read once, when huggingface_hub and kernels are imported: set them first.
-os.environ.update(HF_HUB_OFFLINE="1", KERNELS_CACHE=cache, JAX_PLATFORMS="cpu",
-                  TORCH_DEVICE_BACKEND_AUTOLOAD="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+os.environ.update(KERNELS_CACHE=cache, JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+                  ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+os.environ.update(HF_ENDPOINT=hub, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1") if hub else os.environ.update(
+    HF_HUB_OFFLINE="1")
 
 import torch  # noqa: E402
 
@@ -23,7 +30,13 @@ if "--torch-backends-tpu" in sys.argv:
 
 from kernels import get_kernel  # noqa: E402
 
-kernel = get_kernel(repo_id, version=version)
+try:
+    kernel = get_kernel(repo_id, version=version, trust_remote_code=[repo_id] if "--trust" in sys.argv else False)
+except ValueError as refused:
+    if hub is None:
+        raise
+    print(json.dumps({"refused": str(refused)}))
+    sys.exit(0)
 gen = lambda seed: torch.Generator().manual_seed(seed)
 if hasattr(kernel, "ragged_dot"):
     lhs = torch.randn(37, 128, generator=gen(0))

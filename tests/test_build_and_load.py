@@ -148,3 +148,25 @@ def test_docs_name_only_files_in_the_repo():
         for path in re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:md|py|json|toml|txt))", text):
             if "<" not in path:
                 assert (root / path).exists(), f"{doc.name} names {path}, which is not in the repo"
+
+
+def test_trust_check_runs_online_and_the_readme_opt_in_passes_it(built, tmp_path):
+    """Online, kernels asks the Hub whether the publisher is trusted (offline it skips that).
+    With a Hub on localhost answering from the built tree: the bare call is refused, the
+    README's call with trust_remote_code=[repo] loads and computes, and so does the bare call
+    once the organization is a trusted publisher."""
+    from local_hub import LocalHub
+
+    trees, _, commits = built
+    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
+    repo_id = kernel["repo-id"]
+    with LocalHub({repo_id: (trees["ragged_dot"], kernel["version"], commits[repo_id])}) as hub:
+        refused = _load(tmp_path / "bare", "ragged_dot", "--hub", hub.url)
+        assert "is not from a trusted publisher" in refused["refused"]
+        assert f"GET /api/organizations/{repo_id.split('/')[0]}/overview" in hub.requests
+        assert not any("/resolve/" in request for request in hub.requests), "refused before any download"
+        loaded = _load(tmp_path / "opted-in", "ragged_dot", "--hub", hub.url, "--trust")
+        assert f"/snapshots/{commits[repo_id]}/build/torch-universal/" in loaded["file"]
+        assert loaded["max_abs_error"] < 1e-3
+        hub.trusted.add(repo_id.split("/")[0])
+        assert "file" in _load(tmp_path / "trusted", "ragged_dot", "--hub", hub.url)
