@@ -255,3 +255,33 @@ def experts_forward(
     out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
     ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
     return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)
+
+
+def local_expert_ids(top_k_index, num_local_experts: int, shard):
+    """Global expert ids -> this shard's ids: shard s holds experts [s * L, (s + 1) * L); ids
+    held elsewhere (and the global sentinel) become the local sentinel L, which costs nothing."""
+    local = top_k_index - shard * num_local_experts
+    return jnp.where((local >= 0) & (local < num_local_experts), local, num_local_experts).astype(jnp.int32)
+
+
+def expert_parallel_experts_forward(hidden_states, top_k_index, top_k_weights, up_proj, down_proj, up_bias=None,
+                                    down_bias=None, *, axis_name, **options):
+    """`experts_forward` with the experts split over the mesh axis `axis_name`, for use inside
+    `jax.shard_map`: every shard sees all tokens (replicated), holds E / shards experts
+    (up_proj, down_proj and biases sharded on their first dim), computes the slots routed to
+    its experts and none of the others, and the shards' partial outputs are summed with one
+    `psum`. top_k_index holds global ids. options: as experts_forward. `check_vma=False`: the
+    Pallas kernels do not declare how their outputs vary over the mesh.
+
+        mesh = jax.make_mesh((8,), ("expert",))
+        specs = (P(), P(), P(), P("expert"), P("expert"))  # tokens, ids, weights; experts split
+        ep = jax.jit(jax.shard_map(functools.partial(expert_parallel_experts_forward, axis_name="expert"),
+                                   mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
+        out = ep(*(jax.device_put(x, jax.NamedSharding(mesh, s)) for x, s in zip(args, specs)))
+    """
+    shard, num_local = jax.lax.axis_index(axis_name), up_proj.shape[0]
+    local = local_expert_ids(top_k_index, num_local, shard)
+    out = experts_forward(hidden_states, local, top_k_weights, up_proj, down_proj, up_bias, down_bias, **options)
+    # Global ids outside [0, E] (E the global sentinel) would vanish into the local sentinels: report them.
+    valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_local * jax.lax.axis_size(axis_name)))
+    return jax.lax.psum(jnp.where(valid, out, jnp.nan), axis_name)
