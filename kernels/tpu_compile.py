@@ -116,6 +116,32 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
     return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops)
 
 
+def compile_on_topology(build, arg_specs, generation: str, topology: str, kernel_name: str) -> CompileReport:
+    """Compiles an SPMD program for every device of `topology` (e.g. "v6e:2x4", eight chips).
+
+    build(devices) -> (fn, shardings): the program over those devices and each argument's
+    sharding. Reports as compile_for does (the per-device program's kernels and ops)."""
+    import jax
+    from jax.experimental import topologies
+
+    dump = configure_environment()
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    fn, shardings = build(devices)
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            for (shape, dtype), sharding in zip(arg_specs, shardings)]
+    _clear(dump)
+    start = time.perf_counter()
+    try:
+        jax.jit(fn).lower(*args).compile()
+        seconds = time.perf_counter() - start
+        capacity, kernels, other_ops = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)
+    finally:
+        _clear(dump)
+    if not kernels:
+        raise RuntimeError(f"libtpu's dump in {dump} has no kernel named {kernel_name!r}")
+    return CompileReport(generation, devices[0].device_kind, seconds, capacity, kernels, other_ops)
+
+
 def _clear(dump: Path) -> None:
     for entry in Path(dump).iterdir():
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ragged_dot import ops
 
@@ -30,3 +31,31 @@ def test_sharded_experts_match_one_device():
     assert out["max_abs_error"] < 1e-5 * max(1.0, out["scale"]), out
     assert out["token_routed_elsewhere"] == 0.0
     assert out["bad_id_all_nan"]
+
+
+@pytest.mark.parametrize("generation,topology", [("v6e", "v6e:2x4"), ("tpu7x", "tpu7x:2x2x1")])
+def test_recipe_compiles_on_eight_devices(generation, topology):
+    """The docstring's recipe at Qwen3-30B-A3B's decode shapes (batch 64, 128 experts, top-8),
+    compiled by libtpu for eight v6e chips and for four tpu7x chips (eight devices)."""
+    import functools
+
+    import jax
+    import tpu_compile
+    from jax.sharding import PartitionSpec as P
+
+    tokens, hidden, inter, experts, top_k = 64, 2048, 768, 128, 8
+    specs = (P(), P(), P(), P("expert"), P("expert"))
+
+    def build(devices):
+        assert len(devices) == 8
+        mesh = jax.sharding.Mesh(np.array(devices), ("expert",))
+        body = functools.partial(ops.expert_parallel_experts_forward, axis_name="expert", generation=generation,
+                                 interpret=False)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+        return fn, [jax.NamedSharding(mesh, spec) for spec in specs]
+
+    shapes = [((tokens, hidden), jnp.bfloat16), ((tokens, top_k), jnp.int32), ((tokens, top_k), jnp.bfloat16),
+              ((experts, 2 * inter, hidden), jnp.bfloat16), ((experts, hidden, inter), jnp.bfloat16)]
+    report = tpu_compile.compile_on_topology(build, shapes, generation, topology, "ragged_dot_tpu")
+    assert len(report.kernels) == 2  # the two projections, on each device's 16 experts
+    assert all(0 < k.vmem_bytes <= report.vmem_capacity for k in report.kernels.values())
