@@ -7,7 +7,7 @@ their own layout [pages, page_size, Hkv, D] in HBM; a step copies the pages
 of one chunk (`pages_per_block` pages of one sequence) for its KV head into
 VMEM, one DMA per page, while the previous chunk is computed (two buffers).
 
-Grid (Hkv, steps). The packed query tokens are cut into blocks of block_q
+Grid (parts, steps). The packed query tokens are cut into blocks of block_q
 tokens; a block holds the tokens of one or more sequences. A step pairs a
 query block with one chunk of one of its sequences' pages, and the steps
 of a block are consecutive, so its softmax statistics and accumulator stay
@@ -15,6 +15,11 @@ in VMEM from its first step to its last (`ops.make_schedule`, on the
 device). Chunks a block's rows cannot see (past its last token's position,
 before a window) are not on the grid; pages past a sequence's length are
 never copied. A block with no live token gets one step, to write its zeros.
+On a megacore (v5p) the step list is cut in two parts at a block boundary
+near its middle, one per core ("parallel"): each part starts its own chain
+of copies, and a part shorter than the other idles through its last steps
+on its own last block (no copy, no compute, no write to another part's
+block).
 
 Masking. Each row carries the range of keys it sees as positions in a
 "global" key space where sequence s's position j is s * key_stride + j
@@ -57,13 +62,21 @@ class Options:
     key_stride: int  # the stride of the global key positions: the sequences' chunks span it
 
 
-def _kernel(step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar prefetch
+def _global_step(part, i, part_first, part_count):
+    """(step in the step arrays, whether it runs) of grid step (part, i): past its part's
+    count, the part's last step, not run."""
+    count = part_count[part]
+    return part_first[part] + jnp.clip(i, 0, jnp.maximum(count - 1, 0)), i < count
+
+
+def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar prefetch
             pages_now, pages_next, q_ref, lo_ref, hi_ref, sink_ref, k_hbm, v_hbm,  # inputs
             o_ref,  # output
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
             *, opts: Options, blocks: BlockSizes):
-    i = pl.program_id(0)
-    count = pl.num_programs(0)
+    part, i = pl.program_id(0), pl.program_id(1)
+    g, runs = _global_step(part, i, part_first, part_count)
+    count = part_count[part]
     ppb, page_size = blocks.pages_per_block, opts.page_size
     chunk = ppb * page_size
     slot = i % 2
@@ -86,20 +99,20 @@ def _kernel(step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar pre
         for runs, copy in copies(step, pages, into):
             pl.when(runs)(copy.wait)
 
-    @pl.when((i == 0) & (step_works[i] == 1))
+    @pl.when(runs & (i == 0) & (step_works[g] == 1))
     def _first_copy():
-        start(i, pages_now, slot)
+        start(g, pages_now, slot)
 
     # The next step's chunk is copied while this one computes.
-    nxt = jnp.minimum(i + 1, step_block.shape[0] - 1)
+    nxt = jnp.minimum(g + 1, step_block.shape[0] - 1)
 
     @pl.when((i + 1 < count) & (step_works[nxt] == 1))
     def _next_copy():
         start(nxt, pages_next, 1 - slot)
 
-    block = step_block[i]
-    first_of_block = (i == 0) | (step_block[jnp.maximum(i - 1, 0)] != block)
-    last_of_block = (i + 1 == count) | (step_block[nxt] != block)
+    block = step_block[g]
+    first_of_block = runs & ((i == 0) | (step_block[jnp.maximum(g - 1, 0)] != block))
+    last_of_block = runs & ((i + 1 == count) | (step_block[nxt] != block))
 
     @pl.when(first_of_block)
     def _init():
@@ -107,10 +120,10 @@ def _kernel(step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar pre
         hi_cols[...] = as_columns(hi_ref[...])
         start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
 
-    @pl.when(step_works[i] == 1)
+    @pl.when(runs & (step_works[g] == 1))
     def _step():
-        wait(i, pages_now, slot)
-        seq, first = step_seq[i], step_chunk[i] * chunk
+        wait(g, pages_now, slot)
+        seq, first = step_seq[g], step_chunk[g] * chunk
         first_key = seq * opts.key_stride + first
         cols = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], chunk), 1)
         visible = (cols >= lanes(lo_cols[...] - first_key, chunk)) & (cols <= lanes(hi_cols[...] - first_key, chunk))
@@ -156,20 +169,21 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
     dv = v_cache.shape[3]
     rows_per_block = blocks.block_q * opts.groups
     ppb, page_size = blocks.pages_per_block, opts.page_size
-    steps = schedule.count
+    parts = schedule.part_first.shape[0]
     last = schedule.block.shape[0] - 1
 
-    def q_block(i, block, *_):
-        return 0, block[i], 0
+    def q_block(part, i, first, count, block, *_):
+        return 0, block[_global_step(part, i, first, count)[0]], 0
 
-    def row_block(i, block, *_):
-        return 0, block[i]
+    def row_block(part, i, first, count, block, *_):
+        return 0, block[_global_step(part, i, first, count)[0]]
 
-    def chunk_now(i, block, seq, chunk, *_):
-        return seq[i], chunk[i], 0, 0
+    def chunk_now(part, i, first, count, block, seq, chunk, *_):
+        g = _global_step(part, i, first, count)[0]
+        return seq[g], chunk[g], 0, 0
 
-    def chunk_next(i, block, seq, chunk, *_):
-        n = jnp.minimum(i + 1, last)
+    def chunk_next(part, i, first, count, block, seq, chunk, *_):
+        n = jnp.minimum(_global_step(part, i, first, count)[0] + 1, last)
         return seq[n], chunk[n], 0, 0
 
     smem_chunk = lambda index_map: pl.BlockSpec((None, None, 1, ppb), index_map, memory_space=pltpu.SMEM)
@@ -177,8 +191,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
         functools.partial(_kernel, opts=opts, blocks=blocks),
         out_shape=jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
-            grid=(steps,),
+            num_scalar_prefetch=7,
+            grid=(parts, jnp.max(schedule.part_count)),
             in_specs=[
                 smem_chunk(chunk_now),
                 smem_chunk(chunk_next),
@@ -201,12 +215,12 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
                 pltpu.VMEM((rows_per_block, LANES), jnp.int32),  # hi
             ],
         ),
-        # The steps carry the K/V copies from one to the next: they run in order on one core.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # A part's steps carry the K/V copies from one to the next: they run in order on one core.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(schedule.block, schedule.seq, schedule.chunk, schedule.works, kv_lens,
-      page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_cache, v_cache)
+    )(schedule.part_first, schedule.part_count, schedule.block, schedule.seq, schedule.chunk, schedule.works,
+      kv_lens, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_cache, v_cache)
 
 
 # ---------------------------------------------------------------- cache write

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._shared.attention_math import heads_as_rows, rows_as_heads
-from ._shared.generations import default_interpret
+from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import TOKENS_PER_WRITE_STEP, BlockSizes, Options, write_cache
 from .kernel import ragged_paged_attention as _kernel_call
@@ -37,18 +37,20 @@ QUERY_DTYPES = (jnp.bfloat16, jnp.float32)
 class Schedule:
     """The kernel's grid steps: per step, its query block, sequence and chunk of that sequence's
     pages, and whether it computes (a block with no live token gets one step that only writes
-    zeros); `count` steps run."""
+    zeros); part p runs steps part_first[p] .. part_first[p] + part_count[p] - 1."""
     block: jax.Array  # [max steps] int32
     seq: jax.Array
     chunk: jax.Array
     works: jax.Array  # 1: the step computes
-    count: jax.Array  # () int32
+    part_first: jax.Array  # [parts] int32
+    part_count: jax.Array  # [parts] int32
 
 
 def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, chunk: int, num_chunks: int,
-                  sliding_window: int | None) -> Schedule:
+                  sliding_window: int | None, parts: int = 1) -> Schedule:
     """The steps, on the device. num_tokens: the padded token count (a multiple of block_q);
-    chunk: keys per chunk; num_chunks: chunks per sequence at most."""
+    chunk: keys per chunk; num_chunks: chunks per sequence at most; parts: 2 cuts the steps in
+    two runs at the block boundary nearest their middle (`parts_for`)."""
     num_blocks = num_tokens // block_q
     max_seqs = kv_lens.shape[0]
     live = jnp.arange(max_seqs) < num_seqs
@@ -83,9 +85,23 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
     pair = jnp.clip(jnp.searchsorted(step_end, i, side="right"), 0, max_pairs - 1)
     in_pair = i - (step_end[pair] - steps[pair])
     block = jnp.clip(b[pair], 0, num_blocks - 1)
+    if parts == 2:
+        # Every block has a step, so with two blocks or more some step after the first starts one.
+        starts = (i > 0) & (i < count) & (block != block[jnp.maximum(i - 1, 0)])
+        split = jnp.argmin(jnp.where(starts, jnp.abs(2 * i - count), jnp.iinfo(jnp.int32).max))
+        part_first, part_count = jnp.stack([0, split]), jnp.stack([split, count - split])
+    else:
+        part_first, part_count = jnp.zeros((1,), jnp.int32), count[None]
     return Schedule(block.astype(jnp.int32), jnp.where(is_seq_pair[pair], s[pair], 0).astype(jnp.int32),
                     jnp.clip(chunk_first[pair] + in_pair, 0, num_chunks - 1).astype(jnp.int32),
-                    (is_seq_pair[pair] & (i < count)).astype(jnp.int32), count.astype(jnp.int32))
+                    (is_seq_pair[pair] & (i < count)).astype(jnp.int32), part_first.astype(jnp.int32),
+                    part_count.astype(jnp.int32))
+
+
+def parts_for(generation: str, num_blocks: int) -> int:
+    """Cores the steps are split over: a megacore's two where there are two query blocks to give
+    them (a part with no block of its own would write another's back)."""
+    return GENERATIONS[generation].cores_per_device if num_blocks > 1 else 1
 
 
 def token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens: int, key_stride: int, sliding_window: int | None):
@@ -150,7 +166,7 @@ def check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
 
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, softmax_scale=None,
                            sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None,
-                           blocks: BlockSizes | None = None, interpret=None):
+                           blocks: BlockSizes | None = None, generation: str | None = None, interpret=None):
     """Attention of the new tokens q [T, Hq, D] over the paged caches k_cache, v_cache
     [pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 with k_scale / v_scale).
 
@@ -159,6 +175,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     in q; num_seqs: the live sequences (an int or a [1] / () int32 array; the arrays may be
     padded past it). Returns [T, Hq, D] in q's dtype; tokens past the live sequences' get
     zeros. Index values are checked on the device: invalid ones make the output NaN.
+    generation: the TPU generation to run on (default: the current device's); on v5p the
+    steps are split over the megacore's two cores.
     """
     check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
     if sliding_window is not None and sliding_window < 1:
@@ -169,6 +187,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     num_pages, page_size, hkv, _ = k_cache.shape
     groups = hq // hkv
     interpret = default_interpret() if interpret is None else interpret
+    generation = generation or current_generation().name
     if blocks is None:
         # 512 keys per chunk, or the whole page table when it is shorter (no chunk past it to copy
         # nothing into, and less unrolled code).
@@ -188,7 +207,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
     page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
     schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
-                             blocks.pages_per_block * page_size, chunks, sliding_window)
+                             blocks.pages_per_block * page_size, chunks, sliding_window,
+                             parts_for(generation, num_tokens // blocks.block_q))
     lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, key_stride, sliding_window)
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)

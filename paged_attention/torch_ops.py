@@ -23,7 +23,7 @@ def _attention_jax(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens
     return ops.ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, softmax_scale=softmax_scale,
         sliding_window=sliding_window or None, softcap=softcap or None, sinks=sinks if has_sinks else None,
-        k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+        k_scale=k_scale, v_scale=v_scale, generation=generation, interpret=interpret)
 
 
 def _write_jax(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,

@@ -253,3 +253,40 @@ def test_cache_write_passes_the_tpu_interpreter():
     written = {int(s): t for t, s in enumerate(np.asarray(slots)) if 0 <= s < 48}
     for slot in range(48):
         np.testing.assert_array_equal(flat[slot], np.asarray(key[written[slot], 0]) if slot in written else 0.0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_megacore_split_matches_the_reference(case):
+    """On v5p the steps run in two parts, one per core of the megacore, cut at a block boundary
+    near the middle: both parts get steps (where there are two query blocks to give them), and
+    the output is the reference's."""
+    args, options = _inputs(case, jnp.float32)
+    out = ops.ragged_paged_attention(*args, blocks=case[7], generation="v5p", **options)
+    expected = reference.ragged_paged_attention(*args, **options)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    q, _, _, kv_lens, _, cu, live = args
+    block_q, page_size = case[7].block_q, case[6]
+    num_tokens = -(-q.shape[0] // block_q) * block_q
+    chunks = -(-args[4].shape[1] // case[7].pages_per_block)
+    parts = ops.parts_for("v5p", num_tokens // block_q)
+    schedule = ops.make_schedule(cu, kv_lens, jnp.int32(live), num_tokens, block_q, case[7].pages_per_block * page_size,
+                                 chunks, options.get("sliding_window"), parts=parts)
+    first, count = np.asarray(schedule.part_first), np.asarray(schedule.part_count)
+    assert len(count) == parts == (2 if num_tokens > block_q else 1) and (count > 0).all()
+    if parts == 2:
+        blocks = np.asarray(schedule.block)
+        assert first[1] == count[0] and blocks[first[1] - 1] != blocks[first[1]], "the parts share no query block"
+        assert abs(int(count[0]) - int(count[1])) <= max(count) // 2, "cut near the middle"
+
+
+def test_megacore_split_passes_the_tpu_interpreter():
+    """Two simulated cores running the two parts: no race between them (each writes only its own
+    query blocks), no out-of-bounds DMA, no uninitialised read."""
+    case = CASES[0]
+    args, options = _inputs(case, jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
+    out = ops.ragged_paged_attention(*args, blocks=case[7], generation="v5p", interpret=params, **options)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    expected = reference.ragged_paged_attention(*args, **options)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))

@@ -36,7 +36,8 @@ def test_attention_compiles(case):
     def attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks):
         return ops.ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                           sinks=sinks if has_sinks else None, k_scale=0.5 if quantized else None,
-                                          v_scale=0.5 if quantized else None, interpret=False, **options)
+                                          v_scale=0.5 if quantized else None, generation=generation,
+                                          interpret=False, **options)
 
     pages_per_seq = SERVING["context"] // page_size
     num_pages = SERVING["seqs"] * pages_per_seq // 8  # the pool a server shares among its sequences
