@@ -207,3 +207,10 @@ def test_headline_baselines_do_the_same_work():
     for name, fn in impls.items():
         # bf16 outputs of the same sums: a few bf16 roundings of the largest value.
         np.testing.assert_allclose(np.asarray(fn(*args), np.float32), want, atol=4 * 2**-8 * scale, err_msg=name)
+    # The expert-parallel row models one chip's share: the eight chips' shares sum to the whole.
+    local = h.experts // headline.CHIPS
+    shares = [headline.expert_parallel_per_chip(h, args, shard, interpret=True)[0](
+        *args[:3], args[3][shard * local:(shard + 1) * local], args[4][shard * local:(shard + 1) * local])
+        for shard in range(headline.CHIPS)]
+    total = np.sum([np.asarray(part, np.float32) for part in shares], axis=0)
+    np.testing.assert_allclose(total, want, atol=4 * 2**-8 * scale, err_msg="expert-parallel shares")
