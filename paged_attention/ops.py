@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._shared.attention_math import heads_as_rows, rows_as_heads
-from ._shared.generations import GENERATIONS, current_generation, default_interpret
+from ._shared.generations import GENERATIONS, SMEM_BYTES, current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import TOKENS_PER_WRITE_STEP, BlockSizes, Options, write_cache
 from .kernel import ragged_paged_attention as _kernel_call
@@ -96,6 +96,23 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
                     jnp.clip(chunk_first[pair] + in_pair, 0, num_chunks - 1).astype(jnp.int32),
                     (is_seq_pair[pair] & (i < count)).astype(jnp.int32), part_first.astype(jnp.int32),
                     part_count.astype(jnp.int32))
+
+
+def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int) -> None:
+    """The step arrays (`make_schedule`: four int32 per possible step), kv_lens and each step's two
+    page-table rows are scalar-prefetched into SMEM: past its 1 MiB the compile fails, so say so
+    first, with what to change. (libtpu counted 1157 KiB for a call this counts as 1154 KiB.)"""
+    max_steps = (num_blocks + max_seqs) * num_chunks
+    need = 4 * (4 * max_steps + max_seqs + 4 + 4 * pages_per_block)
+    if need > SMEM_BYTES - SMEM_RESERVE:
+        raise ValueError(
+            f"the kernel's step list needs {need / 1024:.0f} KiB of SMEM, more than the "
+            f"{(SMEM_BYTES - SMEM_RESERVE) / 1024:.0f} KiB it may use: {max_seqs} sequences x {num_chunks} chunks of "
+            f"the page table (+ {num_blocks} query blocks). Pass fewer sequences per call, a shorter page table "
+            f"(page_indices' width), or larger blocks (pages_per_block)")
+
+
+SMEM_RESERVE = 16 << 10  # left to Mosaic's own scalars
 
 
 def parts_for(generation: str, num_blocks: int) -> int:
@@ -206,6 +223,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
     page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
+    check_step_list_fits_smem(num_tokens // blocks.block_q, kv_lens.shape[0], chunks, blocks.pages_per_block)
     schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
                              blocks.pages_per_block * page_size, chunks, sliding_window,
                              parts_for(generation, num_tokens // blocks.block_q))

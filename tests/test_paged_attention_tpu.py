@@ -4,6 +4,7 @@ room for 32k tokens of context each, and the cache write, in place."""
 
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 import tpu_compile
@@ -66,3 +67,21 @@ def test_cache_write_compiles_in_place(generation, cache_dtype):
     ops_compiled = list(report.schedules) + list(report.kernels)
     assert any("reshape_and_cache" in op for op in ops_compiled), ops_compiled
     assert not any(op.startswith("copy") for op in ops_compiled), ops_compiled
+
+
+def test_a_step_list_past_smem_is_refused_before_compiling():
+    """The serving shape at 32k context fits SMEM (the compiles above); at 128k its step list does
+    not (libtpu: "Used 1.13M of 1.00M smem"): a ValueError says so, and what to change, before
+    any compile."""
+    def call(context):
+        pages_per_seq = context // 16
+        spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)
+        cache = spec((4096, 16, 8, 128), jnp.bfloat16)
+        return jax.eval_shape(
+            lambda *a: ops.ragged_paged_attention(*a, generation="v6e", interpret=False),
+            spec((SERVING["tokens"], 32, 128), jnp.bfloat16), cache, cache, spec((SERVING["seqs"],)),
+            spec((SERVING["seqs"], pages_per_seq)), spec((SERVING["seqs"] + 1,)), spec(()))
+
+    assert call(SERVING["context"]).shape == (SERVING["tokens"], 32, 128)
+    with pytest.raises(ValueError, match=r"step list needs 115\d KiB of SMEM.*fewer sequences per call"):
+        call(4 * SERVING["context"])

@@ -46,6 +46,10 @@ GENERATIONS: dict[str, Generation] = {
     )
 }
 
+# SMEM per core, where scalar-prefetch arrays live: 1 MiB on v5e, v5p, v6e and tpu7x alike, as
+# libtpu's out-of-SMEM compile error reports it ("Used 1.13M of 1.00M smem").
+SMEM_BYTES = 1 * MiB
+
 # Tables are keyed by generation; interpret mode on a CPU uses this one's.
 DEFAULT_GENERATION = "v6e"
 
