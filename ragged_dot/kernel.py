@@ -100,9 +100,10 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
 
 def _kernel(
     row_start, row_end, visit_group, visit_tile, weight_group, num_visits,
-    lhs_ref, rhs_ref, out_ref, acc_ref,
-    *, num_groups: int, transpose_rhs: bool, precision, k_size: int,
+    lhs_ref, rhs_ref, *refs,
+    num_groups: int, transpose_rhs: bool, precision, k_size: int,
 ):
+    bias_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)
     v, k = pl.program_id(1), pl.program_id(2)
     last_k = pl.num_programs(2) - 1
     group = visit_group[v]
@@ -146,8 +147,11 @@ def _kernel(
     def store(previous):
         rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
         mine = jnp.logical_and(rows >= row_start[group], rows < row_end[group])
-        # Fill visits never accumulated, so acc is zero there.
-        out_ref[...] = jnp.where(mine, acc_ref[...], previous).astype(out_ref.dtype)
+        # Fill visits never accumulated, so acc is zero there; they get no bias either.
+        value = acc_ref[...]
+        if bias_ref is not None:  # the epilogue: the group's bias, added in f32 before the cast
+            value = value + jnp.where(does_matmul, bias_ref[...].astype(jnp.float32), 0.0)
+        out_ref[...] = jnp.where(mine, value, previous).astype(out_ref.dtype)
 
     at_store = k == last_k
 
@@ -170,9 +174,11 @@ def grouped_matmul(
     out_dtype,
     vmem_limit: int,
     interpret,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """The pallas_call. lhs rows must already be a multiple of block_m; K
     and N blocks need not divide K and N (edge blocks are masked or clipped).
+    bias: [G, N] or None, added to each group's rows in the store's epilogue.
 
     `interpret` is False on a TPU, True for plain interpret mode, or a
     `pltpu.InterpretParams` for the TPU interpreter (race detection).
@@ -202,7 +208,15 @@ def grouped_matmul(
     def out_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
         return visit_tile[v], nn
 
+    def bias_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+        return weight_group[v], 0, nn
+
     rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
+    in_specs = [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
+    operands = [lhs, rhs]
+    if bias is not None:  # [G, 1, N]: a (1, bn) block per step, its group's
+        in_specs.append(pl.BlockSpec((None, 1, bn), bias_map))
+        operands.append(bias.reshape(num_groups, 1, n))
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     itemsize = jnp.dtype(lhs.dtype).itemsize
     flops = 2 * m * k * n  # upper bound: every row once
@@ -220,10 +234,7 @@ def grouped_matmul(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(pl.cdiv(n, bn), prefetch[-1][0], k_steps),
-            in_specs=[
-                pl.BlockSpec((bm, bk), lhs_map),
-                pl.BlockSpec(rhs_block, rhs_map),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((bm, bn), out_map),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         ),
@@ -236,7 +247,7 @@ def grouped_matmul(
         cost_estimate=cost,
         interpret=interpret,
         name="ragged_dot_tpu",
-    )(*prefetch, lhs, rhs)
+    )(*prefetch, *operands)
 
 
 def vmem_bytes(blocks: BlockSizes, itemsize: int, out_dtype) -> int:

@@ -24,7 +24,7 @@ def _resolve(generation, interpret):
     return generation, interpret
 
 
-def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret):
+def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None):
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -37,29 +37,36 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret):
     out = grouped_matmul(
         lhs_padded, rhs, group_sizes.astype(jnp.int32), blocks=blocks, transpose_rhs=transpose_rhs,
         out_dtype=lhs.dtype, vmem_limit=vmem_limit(forward_buffers(blocks, itemsize), generation), interpret=interpret,
+        bias=bias,
     )
     return out[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ragged_dot(lhs, rhs, group_sizes, transpose_rhs, generation, interpret):
-    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ragged_dot(lhs, rhs, group_sizes, bias, transpose_rhs, generation, interpret):
+    """bias: [G, N] added to each group's rows inside the kernel, or None."""
+    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias)
 
 
-def _ragged_dot_fwd(lhs, rhs, group_sizes, transpose_rhs, generation, interpret):
-    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret)
-    return out, (lhs, rhs, group_sizes)
+def _ragged_dot_fwd(lhs, rhs, group_sizes, bias, transpose_rhs, generation, interpret):
+    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias)
+    return out, (lhs, rhs, group_sizes, bias)
 
 
 def _ragged_dot_bwd(transpose_rhs, generation, interpret, residuals, grad_out):
-    lhs, rhs, group_sizes = residuals
+    lhs, rhs, group_sizes, bias = residuals
+    grad_bias = None
+    if bias is not None:  # d bias[g] = the sum of grad_out over g's rows (rows past the groups: segment G, dropped)
+        segment = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(lhs.shape[0]), side="right")
+        grad_bias = jax.ops.segment_sum(grad_out.astype(jnp.float32), segment, num_segments=bias.shape[0] + 1)
+        grad_bias = grad_bias[:-1].astype(bias.dtype)
     grad_out = grad_out.astype(lhs.dtype)
     # d lhs[rows of g] = grad_out[rows] @ rhs[g]^T: the same kernel, layout flipped.
     grad_lhs = _forward(grad_out, rhs, group_sizes, not transpose_rhs, generation, interpret)
     # d rhs[g] = lhs[rows of g]^T @ grad_out[rows] (or its transpose).
     a, b = (grad_out, lhs) if transpose_rhs else (lhs, grad_out)
     grad_rhs = _weight_grad(a, b, group_sizes, rhs.dtype, generation, interpret)
-    return grad_lhs, grad_rhs, None
+    return grad_lhs, grad_rhs, None, grad_bias
 
 
 def _weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
@@ -164,7 +171,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, i
     sizes, valid = walkable_group_sizes(group_sizes.astype(jnp.int32), lhs.shape[0])
     # The report rides on lhs, not on the output: a select after the kernel changes how libtpu
     # compiles the kernel itself (in the bench its 4 predicated regions became 1), one before it does not.
-    return _ragged_dot(jnp.where(valid, lhs, jnp.nan), rhs, sizes, transpose_rhs, generation, interpret)
+    return _ragged_dot(jnp.where(valid, lhs, jnp.nan), rhs, sizes, None, transpose_rhs, generation, interpret)
 
 
 def route(top_k_index, num_experts):
@@ -240,11 +247,9 @@ def experts_forward(
     x = hidden_states[order // top_k]
 
     def project(inputs, weights, bias):
-        out = _ragged_dot(inputs, weights, group_sizes, not transposed, generation, interpret)
-        out = out.astype(jnp.float32)
-        if bias is not None:  # rows routed elsewhere get none: they stay exactly zero
-            out = out + jnp.where(routed_here[:, None], bias[jnp.minimum(expert_of_row, num_experts - 1)], 0)
-        return out
+        # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
+        # are in no group and stay exactly zero.
+        return _ragged_dot(inputs, weights, group_sizes, bias, not transposed, generation, interpret).astype(jnp.float32)
 
     h = project(x, up_proj, up_bias)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
