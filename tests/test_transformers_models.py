@@ -3,6 +3,7 @@ forward serves: its logits, greedy tokens and parameter gradients against
 the eager experts implementation."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -122,18 +123,49 @@ def test_bf16_model_close_to_fp32_eager():
     assert (got - want).abs().max().item() < 5e-2 * want.abs().max().item()
 
 
+@pytest.fixture(scope="module")
+def hub_experts(tmp_path_factory):
+    """experts_forward as users get it: the built tree laid out as a Hub cache, loaded with
+    get_kernel (offline: the trust check is skipped) and registered with transformers under its
+    own name. Calls of its op are counted."""
+    import sys
+    from pathlib import Path
+
+    import build_collection
+    from kernels import get_kernel
+
+    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
+    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["ragged_dot"])
+    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
+    module = get_kernel(kernel["repo-id"], version=kernel["version"])
+    torch_ops = sys.modules[module.__name__ + ".torch_ops"]
+    op, calls = torch_ops.experts_forward_op, []
+
+    def counted(*args):
+        calls.append(len(args))
+        return op(*args)
+
+    torch_ops.experts_forward_op = counted
+    ALL_EXPERTS_FUNCTIONS.register("hub_ragged_dot", module.experts_forward)
+    yield "hub_ragged_dot", calls
+    torch_ops.experts_forward_op = op
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_whole_model_compiles_in_one_graph(family):
-    """torch.compile(fullgraph=True, dynamic=False), TorchTPU's fast mode, over
-    the whole model with our experts: one graph (any break raises), our
-    kernel in it, the eager logits (fp32; only summation order differs)."""
+def test_whole_model_compiles_in_one_graph(family, hub_experts):
+    """torch.compile(fullgraph=True, dynamic=False), TorchTPU's fast mode, over the whole model
+    with the experts forward loaded by get_kernel from the built tree: one graph (any break
+    raises), our op in it for every MoE layer, the eager logits (fp32; only summation order
+    differs)."""
+    name, calls = hub_experts
     ours, eager, num_experts_modules = _models(family)
+    ours.set_experts_implementation(name)
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
-    CALLS.clear()
+    calls.clear()
     with torch.no_grad():
         compiled = torch.compile(ours, fullgraph=True, dynamic=False)(ids).logits
-        assert len(CALLS) == num_experts_modules, "the compiled graph must call our experts forward in every MoE layer"
+        assert len(calls) == num_experts_modules, "the compiled graph must call our experts op in every MoE layer"
         torch.testing.assert_close(compiled, eager(ids).logits, rtol=0, atol=1e-4)
 
 
