@@ -98,6 +98,9 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
                     part_count.astype(jnp.int32))
 
 
+SMEM_RESERVE = 16 << 10  # left to Mosaic's own scalars
+
+
 def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int) -> None:
     """The step arrays (`make_schedule`: four int32 per possible step), kv_lens and each step's two
     page-table rows are scalar-prefetched into SMEM: past its 1 MiB the compile fails, so say so
@@ -110,9 +113,6 @@ def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, p
             f"{(SMEM_BYTES - SMEM_RESERVE) / 1024:.0f} KiB it may use: {max_seqs} sequences x {num_chunks} chunks of "
             f"the page table (+ {num_blocks} query blocks). Pass fewer sequences per call, a shorter page table "
             f"(page_indices' width), or larger blocks (pages_per_block)")
-
-
-SMEM_RESERVE = 16 << 10  # left to Mosaic's own scalars
 
 
 def parts_for(generation: str, num_blocks: int) -> int:
@@ -223,10 +223,11 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
     page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
-    check_step_list_fits_smem(num_tokens // blocks.block_q, kv_lens.shape[0], chunks, blocks.pages_per_block)
+    num_blocks = num_tokens // blocks.block_q
+    check_step_list_fits_smem(num_blocks, kv_lens.shape[0], chunks, blocks.pages_per_block)
     schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
                              blocks.pages_per_block * page_size, chunks, sliding_window,
-                             parts_for(generation, num_tokens // blocks.block_q))
+                             parts_for(generation, num_blocks))
     lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, key_stride, sliding_window)
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)

@@ -135,17 +135,11 @@ def walkable_group_sizes(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Arr
     """(sizes, valid), on the device: whether group_sizes is valid (non-negative, summing to at
     most num_rows), and sizes the kernels can walk whatever it holds: itself when valid, else
     every row in group 0 (the caller makes those rows NaN, so the whole output reports it).
-    No kernel reads past num_rows either way."""
-    if group_sizes.shape[0] == 0:
-        return group_sizes, jnp.bool_(True)
-    cap = num_rows + 1  # clipped there, the sum cannot overflow int32 unless G * cap does
-    clipped = jnp.clip(group_sizes, 0, cap)
-    if group_sizes.shape[0] * cap < 2**31:
-        total = jnp.sum(clipped)
-    else:  # sum saturating at cap
-        total = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), clipped)[-1]
-    valid = jnp.all(group_sizes >= 0) & (total <= num_rows)
-    all_in_first = jnp.zeros_like(group_sizes).at[0].set(num_rows)
+    No kernel reads past num_rows either way. Sizes clipped to num_rows + 1 make a running sum
+    pass num_rows before it could wrap int32 (num_rows < 2^30), so checking it is exact."""
+    running = jnp.cumsum(jnp.clip(group_sizes, 0, num_rows + 1))
+    valid = jnp.all(group_sizes >= 0) & jnp.all(running <= num_rows)
+    all_in_first = jnp.zeros_like(group_sizes).at[0].set(num_rows) if group_sizes.shape[0] else group_sizes
     return jnp.where(valid, group_sizes, all_in_first).astype(jnp.int32), valid
 
 

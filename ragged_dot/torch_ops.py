@@ -7,7 +7,7 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import as_int32_index, check_same_device, jax_custom_op, values_on_host
+from ._shared.bridge import as_int32_index, check_same_device, check_tensor, jax_custom_op, values_on_host
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -72,13 +72,6 @@ experts_forward_op = jax_custom_op(
 )
 
 
-def _check_tensor(name, tensor, dtypes=FLOAT_DTYPES):
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if dtypes is not None and tensor.dtype not in dtypes:
-        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {tensor.dtype}")
-
-
 def ragged_dot(
     lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False
 ) -> torch.Tensor:
@@ -91,9 +84,9 @@ def ragged_dot(
     M. Returns [M, N] in lhs's dtype (fp32 accumulation); rows past
     sum(group_sizes) are zero. Differentiable in lhs and rhs.
     """
-    _check_tensor("lhs", lhs)
-    _check_tensor("rhs", rhs)
-    _check_tensor("group_sizes", group_sizes, dtypes=None)
+    check_tensor("lhs", lhs, None, FLOAT_DTYPES)  # ranks: ops.check_ragged_dot_shapes, naming them too
+    check_tensor("rhs", rhs, None, FLOAT_DTYPES)
+    check_tensor("group_sizes", group_sizes, None, None)
     if rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs dtype {rhs.dtype} differs from lhs dtype {lhs.dtype}")
     check_same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
@@ -158,7 +151,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                up_name: up, "down_proj": down, up_name + "_bias": up_bias, "down_proj_bias": down_bias}
     for name, tensor in tensors.items():
         dtypes = {"top_k_index": None, "top_k_weights": FLOAT_DTYPES + (torch.float16,)}.get(name, FLOAT_DTYPES)
-        _check_tensor(name, tensor, dtypes)
+        check_tensor(name, tensor, None, dtypes)
     ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up.shape, down.shape,
                              up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"])
     check_same_device(**tensors)

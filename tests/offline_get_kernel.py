@@ -19,8 +19,10 @@ hub = sys.argv[sys.argv.index("--hub") + 1] if "--hub" in sys.argv else None
 # Read once, when huggingface_hub and kernels are imported: set them first.
 os.environ.update(KERNELS_CACHE=cache, JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-os.environ.update(HF_ENDPOINT=hub, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1") if hub else os.environ.update(
-    HF_HUB_OFFLINE="1")
+if hub:
+    os.environ.update(HF_ENDPOINT=hub, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1")
+else:
+    os.environ.update(HF_HUB_OFFLINE="1")
 
 import torch  # noqa: E402
 

@@ -85,13 +85,14 @@ def as_int32_index(tensor: torch.Tensor, name: str, low: int, high: int) -> torc
     return tensor.to(torch.int32)
 
 
-def check_tensor(name: str, t, rank: int, dtypes) -> None:
-    """A torch.Tensor of `rank` dims and one of `dtypes`, else an error naming the argument."""
+def check_tensor(name: str, t, rank: int | None, dtypes) -> None:
+    """A torch.Tensor of `rank` dims and one of `dtypes` (None: either unchecked), else an error
+    naming the argument."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
+    if rank is not None and t.dim() != rank:
         raise ValueError(f"{name} must have {rank} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
+    if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must be one of {[str(d).removeprefix('torch.') for d in dtypes]}, got {t.dtype}")
 
 
