@@ -174,11 +174,12 @@ def cached_schedule(cache: dict, fn, args, call, blocks, generation):
 # The tilings the rule's step cycles are fitted to: every bm with a spread of
 # (K block, N block) at two problem shapes (K = N = 2048; and 2880, gpt-oss's,
 # whose blocks take the whole dim or leave a masked tail), for both kernels
-# and dtypes (f32 only up to 1024x1024 weight blocks: its HIGHEST-precision
-# steps past that take minutes each to compile). Rows and groups do not
-# change a schedule.
+# and dtypes (f32 only up to 1024x1024 weight blocks and at every other bm,
+# the pass table interpolating between: its HIGHEST-precision steps take
+# up to minutes each to compile). Rows and groups do not change a schedule.
 FIT_ROWS, FIT_GROUPS = 4096, 8
 FIT_BLOCK_M = (16, 64, 128, 256, 512, 1024)
+FIT_BLOCK_M_F32 = (16, 128, 512)
 FIT_KN = {2048: ((256, 256), (512, 512), (512, 1024), (1024, 512), (1024, 1024), (2048, 512), (512, 2048), (2048, 2048)),
           2880: ((2880, 2880), (1024, 1024), (2880, 512), (512, 2880))}
 FIT_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -192,7 +193,7 @@ def fit_sample(generation: str):
                      ("forward", False): ("forward", (FIT_ROWS, dim), (FIT_GROUPS, dim, dim), False),  # [G, K, N]
                      ("weight_grad", False): ("weight_grad", (FIT_ROWS, dim), (FIT_ROWS, dim), None)}
             for (kind, _), call in calls.items():
-                for bm in FIT_BLOCK_M:
+                for bm in FIT_BLOCK_M if dtype == jnp.bfloat16 else FIT_BLOCK_M_F32:
                     for bk, bn in kn:
                         blocks, itemsize = kernel.BlockSizes(bm, bk, bn), jnp.dtype(dtype).itemsize
                         if itemsize == 4 and bk * bn > 1024 * 1024:
@@ -215,20 +216,32 @@ def sample_schedules(generation: str, cache: dict) -> list:
     return points
 
 
-def measured_parts(schedule) -> dict:
-    """A kernel's step, cut as `tuning.StepCycles` models it: the pl.when
-    bodies with matmuls are its MXU passes; those before them zero the
-    accumulator (none when Mosaic folds `k == 0` away: one K step), those
-    after store it (the forward's second one merges with earlier rows).
-    None where Mosaic laid the step out otherwise (one region holding it all)."""
+def measured_parts(schedule, kind: str) -> dict | None:
+    """A kernel's step, cut as `tuning.StepCycles` models it, or None where
+    Mosaic laid the step out otherwise (one region holding it all).
+
+    The forward's pl.when bodies: a pass per K position (first, middle,
+    last; one when K takes one step), the last one also storing, then the
+    fill visits' store (then, where a block overhangs its dim, edge code the
+    model leaves out). `mxu_pass` is the first pass (None with one K step:
+    the fit takes the store back out of `last_pass`), `store` what the last
+    adds. The weights' gradient's: the bodies with matmuls are its MXU
+    passes, one before them zeroes the accumulator (none when Mosaic folds
+    `k == 0` away), one after stores it."""
     cycles = [r.cycles for r in schedule.regions]
     passes = [i for i, r in enumerate(schedule.regions) if r.matmuls > 0]
     before, after = cycles[:passes[0]], cycles[passes[-1] + 1:]
+    parts = dict(base=schedule.iteration_cycles - sum(cycles), fill_drain=schedule.fill_drain_cycles)
+    if kind == "forward":
+        if before or not after:
+            return None
+        first, last = (cycles[passes[0]] if len(passes) > 1 else None), cycles[passes[-1]]
+        return dict(parts, mxu_pass=first, last_pass=last, store=None if first is None else last - first, zero=0,
+                    fill=after[0])
     if not after:
         return None
-    return dict(mxu_pass=float(np.mean([cycles[i] for i in passes])), zero=before[0] if before else None,
-                store=after[0], merge=after[1] if len(after) > 1 else None,
-                base=schedule.iteration_cycles - sum(cycles), fill_drain=schedule.fill_drain_cycles)
+    return dict(parts, mxu_pass=float(np.mean([cycles[i] for i in passes])), zero=before[0] if before else None,
+                store=after[0], fill=0)
 
 
 def fit_step_cycles(points: list, generation: str) -> dict:
@@ -240,27 +253,31 @@ def fit_step_cycles(points: list, generation: str) -> dict:
         design = np.column_stack([np.ones(len(data)), data[:, :-1]])
         return tuple(round(float(c), 3) for c in np.linalg.lstsq(design, data[:, -1], rcond=None)[0])
 
+    at = lambda coef, x: coef[0] + coef[1] * x
     fitted = {}
     for kind, layout in sorted({(p[0], p[2]) for p in points}):
-        mine = [(tuning.features(kind, b, *dims, generation), measured_parts(s)) for k_, b, i, dims, s in points
-                if (k_, i) == (kind, layout) and measured_parts(s) is not None]
+        mine = [(tuning.features(kind, b, *dims, generation), measured_parts(s, kind)) for k_, b, i, dims, s in points
+                if (k_, i) == (kind, layout) and measured_parts(s, kind) is not None]
+        zero = line([(f["acc"], m["zero"]) for f, m in mine if m["zero"] is not None])
+        # The forward's store: its last pass less its first (in f32, or with a K tail masked, the
+        # scheduler can lay the last pass out shorter than the first: no store is negative).
+        store = line([(f["acc"], max(m["store"], 0)) for f, m in mine if m["store"] is not None])
         passes = {}
         for f, m in mine:
-            passes.setdefault(f["pass_rows"], {}).setdefault(f["tiles"], []).append(m["mxu_pass"])
-        zero = line([(f["acc"], m["zero"]) for f, m in mine if m["zero"] is not None])
-        fields = dict(
+            # A forward with one K step stores in its only pass: take the store back out.
+            cycles = m["mxu_pass"] if m["mxu_pass"] is not None else m["last_pass"] - at(store, f["acc"])
+            passes.setdefault(f["pass_rows"], {}).setdefault(f["tiles"], []).append(cycles)
+        fitted[(kind, *layout)] = dict(
             mxu_pass={rows: tuple((tiles, round(float(np.median(c)), 1)) for tiles, c in sorted(by_tiles.items()))
                       for rows, by_tiles in sorted(passes.items())},
             zero=zero,
-            store=line([(f["acc"], m["store"]) for f, m in mine]),
+            store=store,
+            fill=line([(f["acc"], m["fill"]) for f, m in mine]),
             fill_drain=line([(f["acc"], m["fill_drain"]) for f, m in mine]),
             # Where Mosaic folded the zeroing into the step, take it back out.
-            base=line([(f["passes"], f["ragged"], f["ragged"] * f["passes"],
-                        m["base"] - (0 if m["zero"] is not None else zero[0] + zero[1] * f["acc"])) for f, m in mine]),
+            base=line([(f["rows"], f["ragged"], f["ragged"] * f["rows"], f["one_step"],
+                        m["base"] - (0 if m["zero"] is not None else at(zero, f["acc"]))) for f, m in mine]),
         )
-        merges = [(f["acc"], m["merge"]) for f, m in mine if m["merge"] is not None]
-        fields["merge"] = line(merges) if kind == "forward" and merges else fields["store"]
-        fitted[(kind, *layout)] = fields
     return fitted
 
 
@@ -269,11 +286,14 @@ def step_errors(points: list, generation: str) -> list[float]:
     runs every pass, zeroes and stores (the rule's model against the schedule)."""
     errors = []
     for kind, blocks, (itemsize, transpose_rhs), dims, schedule in points:
-        m, c = measured_parts(schedule), tuning.step_parts(kind, blocks, *dims, generation, itemsize, transpose_rhs)
+        m, c = measured_parts(schedule, kind), tuning.step_parts(kind, blocks, *dims, generation, itemsize, transpose_rhs)
         if m is None:
             continue
         passes = tuning.features(kind, blocks, *dims, generation)["passes"]
-        measured = m["base"] + (m["zero"] or 0) + passes * m["mxu_pass"] + m["store"]
+        if kind == "forward":  # one pass, the last K step's: it stores
+            measured = m["base"] + m["last_pass"]
+        else:
+            measured = m["base"] + (m["zero"] or 0) + passes * m["mxu_pass"] + m["store"]
         errors.append((c["base"] + c["zero"] + passes * c["mxu_pass"] + c["store"]) / measured - 1)
     return errors
 
@@ -329,7 +349,7 @@ def tune_call(shape, tokens, call, generation, cache=None):
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
             jnp.asarray(bench.routing(shape, tokens)))
     record = dict(model=shape.model, tokens=tokens, kind=kind, key=list(key), transpose_rhs=transpose_rhs,
-                  generation=generation, candidates=[])
+                  generation=generation, revision=KERNEL_REVISION[kind], candidates=[])
     rated = []
     for blocks in candidates:
         try:
@@ -384,11 +404,20 @@ def records(generation: str) -> list[dict]:
     return json.loads(file.read_text()) if file.exists() else []
 
 
+# Which design of each kernel a record was rated on: 2, the forward whose visits
+# multiply whole tiles (ragged-dot v2); 1, its 128-row sub-blocks before.
+KERNEL_REVISION = {"forward": 2, "weight_grad": 1}
+
+
 def rated_by_this_model(record: dict) -> bool:
-    """Whether a record's candidates were shortlisted by the rule's current
-    model (they carry its figures). Older records are tuned again, and
-    stay in the table until then; a matmul too big for the chip stays so."""
-    return "too_big_for_hbm" in record or any("rule_model_us" in c for c in record.get("candidates", []))
+    """Whether a record was rated on the kernel as it is now, its candidates
+    shortlisted by the rule's current model (they carry its figures). Older
+    records are tuned again, and stay in the table until then; a matmul too
+    big for the chip stays so."""
+    if "too_big_for_hbm" in record:
+        return True
+    return (record.get("revision", 1) == KERNEL_REVISION[record["kind"]]
+            and any("rule_model_us" in c for c in record.get("candidates", [])))
 
 
 def too_big_for_hbm(generation: str) -> set[tuple]:

@@ -10,7 +10,9 @@ through scalar prefetch, and drives the block index maps, so:
 
 - an empty group costs nothing: its weights are never read;
 - consecutive visits to one m tile keep its output block in VMEM, and each
-  visit merges its rows into it (the first visit starts from zeros);
+  visit multiplies the whole tile in one MXU pass per K step (the weights
+  pushed once) and stores the rows from its group's first onwards: rows
+  before it are earlier visits', rows past it are overwritten by later ones;
 - the visit axis of the grid has a dynamic length, the routing's real
   visit count (at most `num_m_tiles + num_groups`), so no grid step idles.
 """
@@ -26,8 +28,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 
-SUB_M = 128  # rows per MXU pass the forward kernel can skip (see _kernel)
-
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -39,6 +39,18 @@ class BlockSizes:
     # tiles (a tile two groups share is read once). Which wins depends on
     # the generation's FLOP/byte balance; the tuning decides.
     windows_at_group_start: bool = False
+
+
+def _groups_of(visit, visit_end):
+    """Each visit's group (the first whose exclusive end visit is past it,
+    clipped to the last group) and a function giving each visit its group's
+    value of a [groups] array. Both compare every visit with every group: on
+    a TPU a [V, G] compare and sum takes a few cycles where a search or a
+    gather takes microseconds."""
+    num_groups = visit_end.shape[0]
+    group = jnp.minimum(jnp.sum(visit_end[None, :] <= visit[:, None], axis=1, dtype=jnp.int32), num_groups - 1)
+    mine = group[:, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, :]
+    return group, lambda values: jnp.sum(jnp.where(mine, values[None, :], 0), axis=1)
 
 
 def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
@@ -75,18 +87,14 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
     visit = jnp.arange(max_visits, dtype=jnp.int32)
     # Past-the-end visits repeat the last real one: same blocks, no DMA.
     clamped = jnp.minimum(visit, jnp.maximum(num_visits - 1, 0))
-    visit_group = jnp.searchsorted(visit_end, clamped, side="right").astype(jnp.int32)
-    visit_group = jnp.minimum(visit_group, len(sizes) - 1)
-    visit_start = visit_end[visit_group] - tiles_per_group[visit_group]
-    visit_tile = first_tile[visit_group] + (clamped - visit_start)
+    visit_group, of_group = _groups_of(clamped, visit_end)
+    visit_tile = of_group(first_tile - (visit_end - tiles_per_group)) + clamped
 
-    # The rhs block a fill visit keeps: the last real group visited before it.
+    # The rhs block a fill visit keeps: the last real group's (fill visits
+    # come last, the fill group being the last in row order).
     is_real = visit_group < num_groups
-    last_real = jax.lax.cummax(jnp.where(is_real, visit, -1), axis=0)
-    weight_group = jnp.where(
-        last_real >= 0, visit_group[jnp.maximum(last_real, 0)], 0
-    )
-    weight_group = jnp.minimum(weight_group, num_groups - 1)
+    last_real = jnp.max(jnp.where(is_real, visit_group, 0))
+    weight_group = jnp.minimum(jnp.where(is_real, visit_group, last_real), num_groups - 1)
     i32 = lambda x: x.astype(jnp.int32)
     return (
         i32(row_start),
@@ -101,67 +109,60 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
 def _kernel(
     row_start, row_end, visit_group, visit_tile, weight_group, num_visits,
     lhs_ref, rhs_ref, *refs,
-    num_groups: int, transpose_rhs: bool, precision, k_size: int,
+    num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool,
 ):
-    bias_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    out_ref, acc_ref = refs[0], (refs[1] if len(refs) > 1 else None)
     v, k = pl.program_id(1), pl.program_id(2)
-    last_k = pl.num_programs(2) - 1
+    k_steps = pl.num_programs(2)
     group = visit_group[v]
     does_matmul = group < num_groups  # fill visits only store zeros
-
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    # The tile's rows are multiplied in sub-blocks of SUB_M rows, and a
-    # sub-block holding none of this group's rows is skipped: a visit at a
-    # group boundary costs the MXU at most one partial sub-block, not a
-    # whole tile.
-    block_m = acc_ref.shape[0]
-    sub_m = min(block_m, SUB_M)
-    tile_start = visit_tile[v] * block_m
     contract_rhs = 1 if transpose_rhs else 0
-    for sub in range(block_m // sub_m):
-        rows = pl.ds(sub * sub_m, sub_m)
-        first_row = tile_start + sub * sub_m
-        overlaps = jnp.logical_and(first_row < row_end[group], first_row + sub_m > row_start[group])
+    block_m, block_k = lhs_ref.shape
 
-        @pl.when(jnp.logical_and(does_matmul, overlaps))
+    def product(last: bool):
+        lhs, rhs = lhs_ref[...], rhs_ref[...]
+        if last and k_size % block_k:  # the last K block runs past K: zero the overhang in both
+            valid = k_size % block_k
+            lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
+            rhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, rhs.shape, contract_rhs) < valid, rhs, 0)
+        return jax.lax.dot_general(
+            lhs, rhs, (((1,), (contract_rhs,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=precision)
+
+    def store(value):
+        # Rows before the group's first belong to earlier visits of this tile:
+        # keep them. Rows after its last belong to later visits, which write
+        # them; so do the first visit's rows of other groups.
+        rows = visit_tile[v] * block_m + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+        if bias_ref is not None:
+            value = value + bias_ref[...].astype(jnp.float32)
+        out_ref[...] = jnp.where(rows >= row_start[group], value.astype(out_ref.dtype), out_ref[...])
+
+    last_k = k == k_steps - 1
+    if acc_ref is None:  # one K step: multiply and store in one region
+
+        @pl.when(does_matmul)
         def _():
-            lhs, rhs = lhs_ref[rows, :], rhs_ref[...]
-            block_k = lhs.shape[1]
-            if k_size % block_k:  # the last K block runs past K: zero the overhang in both
-                valid = k_size - k * block_k
-                lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
-                rhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, rhs.shape, contract_rhs) < valid, rhs, 0)
-            acc_ref[rows, :] += jax.lax.dot_general(
-                lhs, rhs,
-                (((1,), (contract_rhs,)), ((), ())),
-                preferred_element_type=jnp.float32,
-                precision=precision,
-            )
+            store(product(last=True))
+    else:
+        @pl.when(jnp.logical_and(does_matmul, k == 0))
+        def _():
+            acc_ref[...] = product(last=False)
 
-    tile = visit_tile[v]
-    first_visit_of_tile = jnp.logical_or(v == 0, visit_tile[jnp.maximum(v - 1, 0)] != tile)
+        @pl.when(jnp.logical_and(does_matmul, jnp.logical_and(k > 0, jnp.logical_not(last_k))))
+        def _():
+            acc_ref[...] += product(last=False)
 
-    def store(previous):
-        rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
-        mine = jnp.logical_and(rows >= row_start[group], rows < row_end[group])
-        # Fill visits never accumulated, so acc is zero there; they get no bias either.
-        value = acc_ref[...]
-        if bias_ref is not None:  # the epilogue: the group's bias, added in f32 before the cast
-            value = value + jnp.where(does_matmul, bias_ref[...].astype(jnp.float32), 0.0)
-        out_ref[...] = jnp.where(mine, value, previous).astype(out_ref.dtype)
+        @pl.when(jnp.logical_and(does_matmul, last_k))
+        def _():
+            store(acc_ref[...] + product(last=True))
 
-    at_store = k == last_k
-
-    @pl.when(jnp.logical_and(at_store, first_visit_of_tile))
+    @pl.when(jnp.logical_and(jnp.logical_not(does_matmul), last_k))
     def _():
-        store(jnp.zeros(acc_ref.shape, jnp.float32))
-
-    @pl.when(jnp.logical_and(at_store, jnp.logical_not(first_visit_of_tile)))
-    def _():
-        store(out_ref[...].astype(jnp.float32))
+        rows = visit_tile[v] * block_m + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+        out_ref[...] = jnp.where(rows >= row_start[group], jnp.zeros((), out_ref.dtype), out_ref[...])
 
 
 def grouped_matmul(
@@ -228,7 +229,8 @@ def grouped_matmul(
     )
     return pl.pallas_call(
         functools.partial(
-            _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k
+            _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k,
+            has_bias=bias is not None,
         ),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -236,7 +238,7 @@ def grouped_matmul(
             grid=(pl.cdiv(n, bn), prefetch[-1][0], k_steps),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((bm, bn), out_map),
-            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)] if k_steps > 1 else [],
         ),
         compiler_params=pltpu.CompilerParams(
             # n tiles are independent (v5p splits them over its two cores);
@@ -286,10 +288,10 @@ def make_weight_grad_visits(group_sizes: jax.Array, num_rows: int, block_m: int,
 
     max_visits = pl.cdiv(num_rows, block_m) + num_groups
     visit = jnp.minimum(jnp.arange(max_visits, dtype=jnp.int32), num_visits - 1)  # past the end: repeat the last
-    group = jnp.minimum(jnp.searchsorted(visit_end, visit, side="right"), num_groups - 1)
-    nominal = aligned[group] + (visit - (visit_end[group] - windows[group])) * block_m
-    own_start = jnp.maximum(nominal, row_start[group])
-    own_end = jnp.minimum(nominal + block_m, row_end[group])
+    group, of_group = _groups_of(visit, visit_end)
+    nominal = of_group(aligned - (visit_end - windows) * block_m) + visit * block_m
+    own_start = jnp.maximum(nominal, of_group(row_start))
+    own_end = jnp.minimum(nominal + block_m, of_group(row_end))
     # A window running past the last row slides back; own_start keeps the
     # rows it re-reads from being counted twice.
     window = jnp.minimum(nominal, num_rows - block_m)

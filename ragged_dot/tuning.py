@@ -26,7 +26,7 @@ import numpy as np
 
 from ._shared.generations import GENERATIONS, pipeline_seconds
 from ._shared.tuning import lookup, round_up
-from .kernel import ROW_ALIGN, SUB_M, BlockSizes, vmem_bytes, weight_grad_rows
+from .kernel import ROW_ALIGN, BlockSizes, vmem_bytes, weight_grad_rows
 
 # generation -> {shape key: BlockSizes}; generation -> {(kind, itemsize, transpose_rhs): StepCycles fields}
 from .tuned_blocks import STEP_CYCLES, TUNED, TUNED_WEIGHT_GRAD
@@ -44,26 +44,30 @@ class StepCycles:
 
     # Each pass that runs: {rows per pass: ((weight tiles, cycles), ...)}.
     mxu_pass: dict
-    base: tuple[float, float, float, float]  # every step: 1, passes in the block, ragged, ragged * passes
-    zero: tuple[float, float]  # a visit's first step zeroes the accumulator: 1, accumulator vregs
-    store: tuple[float, float]  # a visit's last step stores it: 1, accumulator vregs
-    merge: tuple[float, float]  # forward, a tile's later visits: the store that merges with earlier rows
+    base: tuple[float, ...]  # every step: 1, rows (`features`), ragged, ragged * rows, one_step
+    zero: tuple[float, float]  # weights' gradient, a visit's first step zeroes the accumulator: 1, accumulator vregs
+    store: tuple[float, float]  # a visit's last step stores it (the forward: what its last pass adds): 1, acc vregs
+    fill: tuple[float, float]  # forward: a fill visit's last step, zeros stored without a pass: 1, acc vregs
     fill_drain: tuple[float, float]  # once per call (entry, exit, pipeline fill and drain): 1, accumulator vregs
 
 
 def features(kind: str, blocks: BlockSizes, k: int, n: int, generation: str) -> dict:
     """What a step's cycles depend on: passes per block and rows per pass;
-    128x128 weight tiles per pass; accumulator vregs (f32 8x128); whether a
-    block overhangs its dim (`ragged`: the forward masks its K tail in every
-    pass, the weights' gradient reads edge windows)."""
+    the step's rows for its bookkeeping (the forward's tile in 128-row
+    units, the weights' gradient's passes); 128x128 weight tiles per pass;
+    accumulator vregs (f32 8x128); whether a block overhangs its dim
+    (`ragged`: the forward masks its K tail in its last pass, the weights'
+    gradient reads edge windows); whether the forward's K takes one step
+    (`one_step`: no accumulator, a lighter step)."""
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
-    # The forward cuts its rows in SUB_M passes; the weights' gradient
-    # contracts its rows in passes of the MXU's width.
-    pass_rows = min(bm, SUB_M if kind == "forward" else GENERATIONS[generation].mxu_width)
+    # The forward multiplies its whole tile in one pass; the weights'
+    # gradient contracts its rows in passes of the MXU's width.
+    pass_rows = bm if kind == "forward" else min(bm, GENERATIONS[generation].mxu_width)
     acc = bm * bn if kind == "forward" else bk * bn
     ragged = bool(k % bk) if kind == "forward" else bool(k % bk or n % bn)
-    return dict(passes=bm // pass_rows, pass_rows=pass_rows, tiles=-(-bk // 128) * -(-bn // 128), acc=acc / 1024,
-                ragged=float(ragged))
+    passes = bm // pass_rows
+    return dict(passes=passes, pass_rows=pass_rows, rows=bm / 128 if kind == "forward" else passes, tiles=-(-bk // 128) * -(-bn // 128), acc=acc / 1024,
+                ragged=float(ragged), one_step=float(kind == "forward" and bk >= k))
 
 
 def _interpolate(table: dict, pass_rows: int, tiles: int) -> float:
@@ -87,9 +91,9 @@ def step_parts(kind: str, blocks: BlockSizes, k: int, n: int, generation: str, i
     c, f = StepCycles(**fitted), features(kind, blocks, k, n, generation)
     line = lambda coef, *xs: coef[0] + sum(a * x for a, x in zip(coef[1:], xs))
     return dict(
-        base=line(c.base, f["passes"], f["ragged"], f["ragged"] * f["passes"]),
+        base=line(c.base, f["rows"], f["ragged"], f["ragged"] * f["rows"], f["one_step"]),
         mxu_pass=_interpolate(c.mxu_pass, f["pass_rows"], f["tiles"]),
-        zero=line(c.zero, f["acc"]), store=line(c.store, f["acc"]), merge=line(c.merge, f["acc"]),
+        zero=line(c.zero, f["acc"]), store=line(c.store, f["acc"]), fill=line(c.fill, f["acc"]),
         fill_drain=line(c.fill_drain, f["acc"]),
     )
 
@@ -129,9 +133,9 @@ class Steps:
     """One outer tile's grid steps (every outer tile runs the same ones)."""
 
     passes: np.ndarray  # MXU passes that run
-    starts: np.ndarray  # a visit's first step (zeroes the accumulator)
+    starts: np.ndarray  # a visit's first step (the weights' gradient zeroes its accumulator)
     ends: np.ndarray  # a visit's last step (stores it)
-    merges: np.ndarray  # the store merges with an earlier visit's rows (forward)
+    fills: np.ndarray  # the step belongs to a fill visit (forward: zeros stored, no pass)
     fetch_bytes: np.ndarray
     write_bytes: np.ndarray
     tiles: int  # outer tiles: how many times the steps repeat
@@ -153,7 +157,6 @@ def forward_steps(rows, k, n, groups, blocks: BlockSizes, generation: str, items
     fill = group == groups
     layout = _pass_layout("forward", blocks, k, n, generation)
     passes = np.where(fill, 0, _passes_run(tile * bm, start[group], end[group], *layout))
-    later_visit = np.append(False, tile[1:] == tile[:-1])
     step = lambda x: np.repeat(x, k_steps)
     kk = np.tile(np.arange(k_steps), len(group))
     k_block = np.where(step(fill), k_steps - 1, kk)  # fill visits pin k: no fetch
@@ -161,7 +164,7 @@ def forward_steps(rows, k, n, groups, blocks: BlockSizes, generation: str, items
     rhs = _fetched((step(np.minimum(group, groups - 1)), k_block), new_tile=True) * bk * bn
     out_tile = step(tile)
     written = np.append(out_tile[1:] != out_tile[:-1], True)
-    return Steps(passes=step(passes), starts=kk == 0, ends=kk == k_steps - 1, merges=step(later_visit),
+    return Steps(passes=step(passes), starts=kk == 0, ends=kk == k_steps - 1, fills=step(fill),
                  fetch_bytes=(lhs + rhs) * itemsize, write_bytes=written * bm * bn * itemsize,
                  tiles=-(-n // bn), split=-(-n // bn), copy_bytes=(rows + padded) * k * itemsize if padded > rows else 0)
 
@@ -185,7 +188,7 @@ def weight_grad_steps(rows, p, q, groups, blocks: BlockSizes, generation: str, i
     b = _fetched((window,), new_tile=p_outer) * bm * bq
     ends = np.append(group[1:] != group[:-1], True)
     outer, inner = (p_tiles, q_tiles) if p_outer else (q_tiles, p_tiles)
-    return Steps(passes=passes, starts=np.insert(ends[:-1], 0, True), ends=ends, merges=np.zeros(len(group), bool),
+    return Steps(passes=passes, starts=np.insert(ends[:-1], 0, True), ends=ends, fills=np.zeros(len(group), bool),
                  fetch_bytes=(a + b) * itemsize, write_bytes=ends * bp * bq * itemsize,
                  tiles=p_tiles * q_tiles, split=outer if outer > 1 else inner)
 
@@ -209,7 +212,7 @@ def modeled_seconds(kind: str, rows, k, n, groups, blocks: BlockSizes, generatio
     steps = STEPS[kind](rows, k, n, groups, blocks, generation, itemsize)
     c = step_parts(kind, blocks, k, n, generation, itemsize, transpose_rhs)
     cycles = (c["base"] + steps.passes * c["mxu_pass"] + steps.starts * c["zero"]
-              + steps.ends * np.where(steps.merges, c["merge"], c["store"]))
+              + steps.ends * np.where(steps.fills, c["fill"], c["store"]))
     cores = min(gen.cores_per_device, steps.split)
     per_core = -(-steps.split // cores) * (steps.tiles // steps.split)
     kernel = pipeline_seconds(cycles / gen.clock_hz, steps.fetch_bytes, steps.write_bytes,

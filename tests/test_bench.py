@@ -143,3 +143,18 @@ def test_each_anchor_keeps_its_fastest_compiling_tiling():
     assert (kept["tokamax"]["tiling"], kept["tokamax"]["own_tiling"]) == ("512x512x512", "128x128x128")
     assert (kept["tpu-inference"]["tiling"], kept["tpu-inference"]["modeled_us"]) == ("128x512x512", 70)
     assert kept["megablox 128^3"]["modeled_us"] == 100  # the fixed tilings stay as they are
+
+
+def test_v1_rows_are_compared_with_not_raced():
+    """Our rows from before the v2 forward give ours / v1 on the summary, and
+    are never taken for the best anchor (they are ours)."""
+    case = dict(model="Qwen3-30B-A3B", phase="decode", tokens=64, matmul="gate_up", pass_="fwd",
+                generation="v6e", rows=512, min_flops=1.0, min_bytes=1.0, active_groups=125)
+    rows = [dict(case, impl="ours", modeled_us=300.0), dict(case, impl=bench.V1, modeled_us=200.0),
+            dict(case, impl="megablox best", modeled_us=250.0)]
+    bench.ratio_rows(rows)
+    ours = rows[0]
+    assert ours["ratio_vs_v1"] == pytest.approx(1.5)
+    assert ours["best_anchor"]["impl"] == "megablox best" and ours["ratio_vs_best_anchor"] == pytest.approx(1.2)
+    (line,) = [s for s in bench.summary_lines(rows) if s.startswith("| v6e | fwd")]
+    assert line.endswith("| 1.50 (1.50) |")

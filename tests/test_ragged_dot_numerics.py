@@ -136,10 +136,10 @@ def test_weight_grad_visits_count_each_row_once(align):
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
-def test_tiles_larger_than_a_sub_block(transpose_rhs):
-    """512-row tiles are multiplied in 128-row sub-blocks, skipping those
-    without the visit's rows: groups starting and ending inside sub-blocks,
-    a group inside one sub-block, empty groups."""
+def test_large_tiles_shared_by_several_groups(transpose_rhs):
+    """512-row tiles, each visit multiplying the whole tile and storing its
+    group's rows: groups starting and ending inside a tile, a small group
+    inside one, empty groups."""
     from ragged_dot import kernel
 
     m, k, n, group_sizes = 1024, 256, 128, [5, 300, 0, 7, 500, 130]

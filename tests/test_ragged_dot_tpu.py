@@ -43,9 +43,10 @@ def test_no_race_no_out_of_bounds(interpreter, group_sizes, transpose_rhs):
     np.testing.assert_allclose(out, want, rtol=0, atol=2**-8 * np.abs(want).max())
 
 
-def test_sub_blocked_tiles_no_race(interpreter):
-    """256-row tiles multiplied in 128-row sub-blocks (some skipped), with a
-    K that does not divide into blocks, under the TPU interpreter."""
+def test_tiles_several_groups_share_no_race(interpreter):
+    """256-row tiles visited once per group they hold, each visit storing
+    from its group's first row on, with a K that does not divide into
+    blocks (the tail masked at the last K step), under the TPU interpreter."""
     rng = np.random.default_rng(4)
     m, k, n, group_sizes = 512, 300, 256, [3, 200, 0, 130, 100]
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
