@@ -64,9 +64,9 @@ def recording_calls():
     lhs shape, rhs shape, transpose_rhs) or ("weight_grad", a shape, b shape)."""
     calls, forward, weight_grad = [], ops._forward, ops._weight_grad
 
-    def record_forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None):
+    def record_forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None, fill_nan=None):
         calls.append(("forward", lhs.shape, rhs.shape, transpose_rhs))
-        return forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias)
+        return forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan)
 
     def record_weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
         calls.append(("weight_grad", a.shape, b.shape, None))

@@ -107,7 +107,7 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
 
 
 def _kernel(
-    row_start, row_end, visit_group, visit_tile, weight_group, num_visits,
+    row_start, row_end, visit_group, visit_tile, weight_group, num_visits, fill_nan,
     lhs_ref, rhs_ref, *refs,
     num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool,
 ):
@@ -162,7 +162,8 @@ def _kernel(
     @pl.when(jnp.logical_and(jnp.logical_not(does_matmul), last_k))
     def _():
         rows = visit_tile[v] * block_m + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
-        out_ref[...] = jnp.where(rows >= row_start[group], jnp.zeros((), out_ref.dtype), out_ref[...])
+        fill = jnp.where(fill_nan[0] != 0, jnp.nan, 0.0).astype(out_ref.dtype)
+        out_ref[...] = jnp.where(rows >= row_start[group], fill, out_ref[...])
 
 
 def grouped_matmul(
@@ -176,10 +177,14 @@ def grouped_matmul(
     vmem_limit: int,
     interpret,
     bias: jax.Array | None = None,
+    fill_nan: jax.Array | None = None,
 ) -> jax.Array:
     """The pallas_call. lhs rows must already be a multiple of block_m; K
     and N blocks need not divide K and N (edge blocks are masked or clipped).
     bias: [G, N] or None, added to each group's rows in the store's epilogue.
+    fill_nan: a bool scalar on the device, or None (False): the rows past the
+    groups are NaN instead of zero (how callers report invalid group sizes
+    without a pass over any array: they pass all sizes zero).
 
     `interpret` is False on a TPU, True for plain interpret mode, or a
     `pltpu.InterpretParams` for the TPU interpreter (race detection).
@@ -190,26 +195,28 @@ def grouped_matmul(
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
     assert m % bm == 0, (lhs.shape, blocks)
     k_steps = pl.cdiv(k, bk)
-    prefetch = make_visits(group_sizes, m, bm)
+    fill_flag = jnp.zeros((1,), jnp.int32) if fill_nan is None else jnp.asarray(fill_nan, jnp.int32).reshape(1)
+    visits = make_visits(group_sizes, m, bm)
+    prefetch = (*visits, fill_flag)
 
     def k_block(v, kk, visit_group):
         # Fill visits do no matmul: they pin k to the last block, the one the
         # previous visit ended on, so they trigger no new DMA.
         return jnp.where(visit_group[v] >= num_groups, k_steps - 1, kk)
 
-    def lhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+    def lhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
         return visit_tile[v], k_block(v, kk, visit_group)
 
-    def rhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+    def rhs_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
         kb = k_block(v, kk, visit_group)
         if transpose_rhs:
             return weight_group[v], nn, kb
         return weight_group[v], kb, nn
 
-    def out_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+    def out_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
         return visit_tile[v], nn
 
-    def bias_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, num_visits):
+    def bias_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
         return weight_group[v], 0, nn
 
     rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
@@ -235,7 +242,7 @@ def grouped_matmul(
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
-            grid=(pl.cdiv(n, bn), prefetch[-1][0], k_steps),
+            grid=(pl.cdiv(n, bn), visits[-1][0], k_steps),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((bm, bn), out_map),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)] if k_steps > 1 else [],

@@ -24,7 +24,7 @@ def _resolve(generation, interpret):
     return generation, interpret
 
 
-def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None):
+def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None, fill_nan=None):
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -37,19 +37,20 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     out = grouped_matmul(
         lhs_padded, rhs, group_sizes.astype(jnp.int32), blocks=blocks, transpose_rhs=transpose_rhs,
         out_dtype=lhs.dtype, vmem_limit=vmem_limit(forward_buffers(blocks, itemsize), generation), interpret=interpret,
-        bias=bias,
+        bias=bias, fill_nan=fill_nan,
     )
     return out[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ragged_dot(lhs, rhs, group_sizes, bias, transpose_rhs, generation, interpret):
-    """bias: [G, N] added to each group's rows inside the kernel, or None."""
-    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, transpose_rhs, generation, interpret):
+    """bias: [G, N] added to each group's rows inside the kernel, or None.
+    fill_nan: a bool scalar, or None: rows past the groups are NaN, not zero."""
+    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan)
 
 
-def _ragged_dot_fwd(lhs, rhs, group_sizes, bias, transpose_rhs, generation, interpret):
-    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias)
+def _ragged_dot_fwd(lhs, rhs, group_sizes, bias, fill_nan, transpose_rhs, generation, interpret):
+    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan)
     return out, (lhs, rhs, group_sizes, bias)
 
 
@@ -66,7 +67,7 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, residuals, grad_out):
     # d rhs[g] = lhs[rows of g]^T @ grad_out[rows] (or its transpose).
     a, b = (grad_out, lhs) if transpose_rhs else (lhs, grad_out)
     grad_rhs = _weight_grad(a, b, group_sizes, rhs.dtype, generation, interpret)
-    return grad_lhs, grad_rhs, None, grad_bias
+    return grad_lhs, grad_rhs, None, grad_bias, None
 
 
 def _weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
@@ -134,13 +135,13 @@ def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, dow
 def walkable_group_sizes(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """(sizes, valid), on the device: whether group_sizes is valid (non-negative, summing to at
     most num_rows), and sizes the kernels can walk whatever it holds: itself when valid, else
-    every row in group 0 (the caller makes those rows NaN, so the whole output reports it).
+    all zero (every row past the groups: the forward kernel fills them with NaN when told to,
+    so the whole output reports it, and no matmul runs).
     No kernel reads past num_rows either way. Sizes clipped to num_rows + 1 make a running sum
     pass num_rows before it could wrap int32 (num_rows < 2^30), so checking it is exact."""
     running = jnp.cumsum(jnp.clip(group_sizes, 0, num_rows + 1))
     valid = jnp.all(group_sizes >= 0) & jnp.all(running <= num_rows)
-    all_in_first = jnp.zeros_like(group_sizes).at[0].set(num_rows) if group_sizes.shape[0] else group_sizes
-    return jnp.where(valid, group_sizes, all_in_first).astype(jnp.int32), valid
+    return jnp.where(valid, group_sizes, 0).astype(jnp.int32), valid
 
 
 def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, interpret=None):
@@ -163,9 +164,10 @@ def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, i
     check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
     generation, interpret = _resolve(generation, interpret)
     sizes, valid = walkable_group_sizes(group_sizes.astype(jnp.int32), lhs.shape[0])
-    # The report rides on lhs, not on the output: a select after the kernel changes how libtpu
-    # compiles the kernel itself (in the bench its 4 predicated regions became 1), one before it does not.
-    return _ragged_dot(jnp.where(valid, lhs, jnp.nan), rhs, sizes, None, transpose_rhs, generation, interpret)
+    # The report is the kernel's own fill: a select over the output after the kernel changes how
+    # libtpu compiles the kernel itself (in the bench its 4 predicated regions became 1), and one
+    # over lhs before it is a pass over lhs (at prefill, 15% of the kernel's modeled time).
+    return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), transpose_rhs, generation, interpret)
 
 
 def route(top_k_index, num_experts):
@@ -243,7 +245,7 @@ def experts_forward(
     def project(inputs, weights, bias):
         # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
         # are in no group and stay exactly zero.
-        return _ragged_dot(inputs, weights, group_sizes, bias, not transposed, generation, interpret).astype(jnp.float32)
+        return _ragged_dot(inputs, weights, group_sizes, bias, None, not transposed, generation, interpret).astype(jnp.float32)
 
     h = project(x, up_proj, up_bias)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
