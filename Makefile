@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test build bench bench-flash tune tune-flash check-tuned check-compile publish venv clean
+.PHONY: demo test build bench bench-flash bench-paged tune tune-flash check-tuned check-compile publish venv clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -37,6 +37,9 @@ bench: $(BENCH_STAMP)
 
 bench-flash: $(BENCH_STAMP)
 	$(PY) bench/flash_bench.py $(BENCH_ARGS)
+
+bench-paged: $(BENCH_STAMP)
+	$(PY) bench/paged_bench.py $(BENCH_ARGS)
 
 tune-flash: $(STAMP)
 	$(PY) bench/flash_tune.py $(TUNE_ARGS)

@@ -4,7 +4,7 @@ Layout. As in flash attention, the G query heads of one KV head are stacked
 as rows, token-major: q [T, Hq, D] is seen as [Hkv, T * G, D], so one K/V
 chunk serves every head of its group in one matmul. The caches stay in
 their own layout [pages, page_size, Hkv, D] in HBM; a step copies the pages
-of one chunk (`pages_per_block` pages of one sequence) for its KV head into
+of one chunk (`pages_per_block` pages of one sequence, every KV head) into
 VMEM, one DMA per page, while the previous chunk is computed (two buffers).
 
 Grid (parts, steps). The packed query tokens are cut into blocks of block_q
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._shared.attention_math import LANES, MASKED, as_columns, dot, lanes, scores, start_rows
+from ._shared.attention_math import LANES, MASKED, dot, lanes, scores, start_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,11 @@ class Options:
     key_stride: int  # the stride of the global key positions: the sequences' chunks span it
 
 
+def chunk_pages(kv_len, chunk, pages_per_block: int, page_size: int):
+    """Pages of a sequence's chunk a step copies: those holding its tokens (none past kv_len)."""
+    return jnp.clip(pl.cdiv(kv_len - chunk * pages_per_block * page_size, page_size), 0, pages_per_block)
+
+
 def _global_step(part, i, part_first, part_count):
     """(step in the step arrays, whether it runs) of grid step (part, i): past its part's
     count, the part's last step, not run."""
@@ -79,16 +84,17 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     count = part_count[part]
     ppb, page_size = blocks.pages_per_block, opts.page_size
     chunk = ppb * page_size
+    hkv = q_ref.shape[0]
     slot = i % 2
 
     def copies(step, pages, into):
         """The chunk's page copies, each with whether it runs (pages past the sequence's length do not)."""
-        seq = step_seq[step]
-        pages_used = jnp.clip(pl.cdiv(kv_lens[seq] - step_chunk[step] * chunk, page_size), 0, ppb)
+        pages_used = chunk_pages(kv_lens[step_seq[step]], step_chunk[step], ppb, page_size)
         # A page index out of range is never copied (ops reports it: the output is NaN).
         in_range = lambda page: (page >= 0) & (page < k_hbm.shape[0])
+        rows = page_size * hkv
         return [((p < pages_used) & in_range(pages[0, p]),
-                 pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, p], sems.at[kind, into]))
+                 pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, pl.ds(p * rows, rows)], sems.at[kind, into]))
                 for p in range(ppb) for kind, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
 
     def start(step, pages, into):
@@ -116,8 +122,10 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
 
     @pl.when(first_of_block)
     def _init():
-        lo_cols[...] = as_columns(lo_ref[...])
-        hi_cols[...] = as_columns(hi_ref[...])
+        # Each row's bounds over 128 lanes, broadcast once per block: a row block of any multiple of
+        # 8 rows (a decode block may hold 8) has its bounds as a column, not a lane-dense row.
+        lo_cols[...] = jnp.broadcast_to(lo_ref[...], lo_cols.shape)
+        hi_cols[...] = jnp.broadcast_to(hi_ref[...], hi_cols.shape)
         start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
 
     @pl.when(runs & (step_works[g] == 1))
@@ -130,10 +138,13 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         # Rows of pages past the sequence's length hold whatever the cache (or an earlier chunk) left:
         # their scores are masked, and their values zeroed so that 0 * garbage cannot be NaN.
         stored = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_lens[seq] - first
-        for h in range(q_ref.shape[0]):  # the KV heads: a page holds them all
+        for h in range(hkv):  # the KV heads: a page holds them all, head-minor
             q = q_ref[h]
-            k = k_buf[slot, :, :, h, :].reshape(chunk, k_buf.shape[4]).astype(q.dtype)
-            v = jnp.where(stored, v_buf[slot, :, :, h, :].reshape(chunk, v_buf.shape[4]).astype(q.dtype), 0)
+            # Head h's keys are every hkv-th row of the chunk: one strided load, no relayout.
+            head = pl.ds(h, chunk, stride=hkv) if hkv > 1 else pl.ds(0, chunk)
+            # (Through .at[slot]: Mosaic refuses a dynamic index beside a strided one on packed dtypes.)
+            k = k_buf.at[slot][head, :].astype(q.dtype)
+            v = jnp.where(stored, v_buf.at[slot][head, :].astype(q.dtype), 0)
             s = jnp.where(visible, scores(q, k, opts.scale, opts.softcap)[0], MASKED)
             m_prev = m_ref[h]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -162,13 +173,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
 
     q [Hkv, T*G, D] (T a multiple of block_q); k_cache [pages, page_size, Hkv, D],
     v_cache [.., Dv]; kv_lens [S] int32; page_chunks [S, chunks, 1, pages_per_block] int32
-    (a sequence's page table cut in chunks); row_lo, row_hi [1, T*G] int32 (global key
+    (a sequence's page table cut in chunks); row_lo, row_hi [T*G, 1] int32 (global key
     positions); sink_rows [Hkv, block_q*G, 1] f32; schedule: `ops.make_schedule`'s step arrays.
     """
     hkv, rows, d = q.shape
     dv = v_cache.shape[3]
     rows_per_block = blocks.block_q * opts.groups
     ppb, page_size = blocks.pages_per_block, opts.page_size
+    # A page as [page_size * Hkv, D] (token-major, head-minor): the same bytes (XLA adds no copy,
+    # checked in libtpu's compile), so a chunk's head is a strided load of whole rows.
+    k_pages, v_pages = (c.reshape(c.shape[0], page_size * hkv, c.shape[3]) for c in (k_cache, v_cache))
     parts = schedule.part_first.shape[0]
     last = schedule.block.shape[0] - 1
 
@@ -176,7 +190,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
         return 0, block[_global_step(part, i, first, count)[0]], 0
 
     def row_block(part, i, first, count, block, *_):
-        return 0, block[_global_step(part, i, first, count)[0]]
+        return block[_global_step(part, i, first, count)[0]], 0
 
     def chunk_now(part, i, first, count, block, seq, chunk, *_):
         g = _global_step(part, i, first, count)[0]
@@ -197,16 +211,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
                 smem_chunk(chunk_now),
                 smem_chunk(chunk_next),
                 pl.BlockSpec((hkv, rows_per_block, d), q_block),
-                pl.BlockSpec((1, rows_per_block), row_block),
-                pl.BlockSpec((1, rows_per_block), row_block),
+                pl.BlockSpec((rows_per_block, 1), row_block),
+                pl.BlockSpec((rows_per_block, 1), row_block),
                 pl.BlockSpec((hkv, rows_per_block, 1), lambda *_: (0, 0, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
             out_specs=pl.BlockSpec((hkv, rows_per_block, dv), q_block),
             scratch_shapes=[
-                pltpu.VMEM((2, ppb, page_size, hkv, d), k_cache.dtype),
-                pltpu.VMEM((2, ppb, page_size, hkv, dv), v_cache.dtype),
+                pltpu.VMEM((2, ppb * page_size * hkv, d), k_cache.dtype),
+                pltpu.VMEM((2, ppb * page_size * hkv, dv), v_cache.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),  # (K or V, buffer)
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # m
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # l
@@ -220,7 +234,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
         interpret=interpret,
         name="ragged_paged_attention",
     )(schedule.part_first, schedule.part_count, schedule.block, schedule.seq, schedule.chunk, schedule.works,
-      kv_lens, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_cache, v_cache)
+      kv_lens, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_pages, v_pages)
 
 
 # ---------------------------------------------------------------- cache write

@@ -47,10 +47,11 @@ class Schedule:
 
 
 def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, chunk: int, num_chunks: int,
-                  sliding_window: int | None, parts: int = 1) -> Schedule:
+                  sliding_window: int | None, parts: int = 1, decode_only: bool = False) -> Schedule:
     """The steps, on the device. num_tokens: the padded token count (a multiple of block_q);
     chunk: keys per chunk; num_chunks: chunks per sequence at most; parts: 2 cuts the steps in
-    two runs at the block boundary nearest their middle (`parts_for`)."""
+    two runs at the block boundary nearest their middle (`parts_for`); decode_only: the arrays
+    are sized for a batch whose live sequences have one new token at most (`step_capacity`)."""
     num_blocks = num_tokens // block_q
     max_seqs = kv_lens.shape[0]
     live = jnp.arange(max_seqs) < num_seqs
@@ -79,7 +80,7 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
     chunk_last = jnp.clip(pos_last // chunk, 0, num_chunks - 1)
     steps = jnp.where(is_seq_pair, jnp.maximum(chunk_last - chunk_first + 1, 1), is_pad_pair.astype(jnp.int32))
     step_end = jnp.cumsum(steps)
-    max_steps = max_pairs * num_chunks
+    max_steps = step_capacity(num_blocks, max_seqs, num_chunks, decode_only)
     count = jnp.clip(step_end[-1], 0, max_steps)  # inconsistent index arrays cannot run the grid past the arrays
     i = jnp.arange(max_steps, dtype=jnp.int32)
     pair = jnp.clip(jnp.searchsorted(step_end, i, side="right"), 0, max_pairs - 1)
@@ -98,15 +99,49 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
                     part_count.astype(jnp.int32))
 
 
+KEYS_PER_CHUNK = 512
+
+
+def default_blocks(groups: int, page_size: int, pages_per_seq: int) -> BlockSizes:
+    """Any batch: 128 query rows per block; 512 keys per chunk, or the whole page table when it is
+    shorter (no chunk past it to copy nothing into, and less unrolled code)."""
+    return BlockSizes(block_q=max(8, 128 // groups), pages_per_block=max(1, min(KEYS_PER_CHUNK // page_size, pages_per_seq)))
+
+
+def decode_blocks(groups: int, page_size: int, pages_per_seq: int) -> BlockSizes:
+    """Decode-only batches: a step computes one sequence's token against a chunk, so a block of
+    the fewest rows a block may have (8) wastes the least; 128-row blocks spent 1.6x the time on
+    Llama-3-8B decode at 8k on v6e (MODELED, bench/paged_bench.py)."""
+    return dataclasses.replace(default_blocks(groups, page_size, pages_per_seq), block_q=8 // math.gcd(8, groups))
+
+
 SMEM_RESERVE = 16 << 10  # left to Mosaic's own scalars
 
 
-def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int) -> None:
+def step_capacity(num_blocks: int, max_seqs: int, num_chunks: int, decode_only: bool) -> int:
+    """The steps a call can have: a pair (query block, sequence) walks up to every chunk, and a
+    sequence's tokens span at most one more block than the blocks they fill; decode-only, each
+    sequence is one pair, and each block without a live token one step."""
+    return max_seqs * num_chunks + num_blocks if decode_only else (num_blocks + max_seqs) * num_chunks
+
+
+def smem_bytes(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int, decode_only: bool) -> int:
     """The step arrays (`make_schedule`: four int32 per possible step), kv_lens and each step's two
-    page-table rows are scalar-prefetched into SMEM: past its 1 MiB the compile fails, so say so
-    first, with what to change. (libtpu counted 1157 KiB for a call this counts as 1154 KiB.)"""
-    max_steps = (num_blocks + max_seqs) * num_chunks
-    need = 4 * (4 * max_steps + max_seqs + 4 + 4 * pages_per_block)
+    page-table rows, scalar-prefetched into SMEM. (libtpu counted 1157 KiB for a call this counts
+    as 1154 KiB.)"""
+    return 4 * (4 * step_capacity(num_blocks, max_seqs, num_chunks, decode_only) + max_seqs + 4 + 4 * pages_per_block)
+
+
+def fits_smem(tokens: int, max_seqs: int, pages_per_seq: int, blocks: BlockSizes, decode_only: bool) -> bool:
+    num_blocks = -(-max(tokens, 1) // blocks.block_q)
+    chunks = -(-pages_per_seq // blocks.pages_per_block)
+    return smem_bytes(num_blocks, max_seqs, chunks, blocks.pages_per_block, decode_only) <= SMEM_BYTES - SMEM_RESERVE
+
+
+def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int,
+                              decode_only: bool = False) -> None:
+    """Past SMEM's 1 MiB the compile fails: say so first, with what to change."""
+    need = smem_bytes(num_blocks, max_seqs, num_chunks, pages_per_block, decode_only)
     if need > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(
             f"the kernel's step list needs {need / 1024:.0f} KiB of SMEM, more than the "
@@ -193,7 +228,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     padded past it). Returns [T, Hq, D] in q's dtype; tokens past the live sequences' get
     zeros. Index values are checked on the device: invalid ones make the output NaN.
     generation: the TPU generation to run on (default: the current device's); on v5p the
-    steps are split over the megacore's two cores.
+    steps are split over the megacore's two cores. Without `blocks`, a decode-only batch (one
+    new token per live sequence at most) runs with 8-row query blocks (`decode_blocks`), any
+    other with 128-row ones (`default_blocks`): both are compiled and the device picks one.
     """
     check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
     if sliding_window is not None and sliding_window < 1:
@@ -205,37 +242,60 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     groups = hq // hkv
     interpret = default_interpret() if interpret is None else interpret
     generation = generation or current_generation().name
-    if blocks is None:
-        # 512 keys per chunk, or the whole page table when it is shorter (no chunk past it to copy
-        # nothing into, and less unrolled code).
-        blocks = BlockSizes(block_q=max(8, 128 // groups),
-                            pages_per_block=max(1, min(512 // page_size, page_indices.shape[1])))
-    max_len = page_indices.shape[1] * page_size
-    chunks = -(-page_indices.shape[1] // blocks.pages_per_block)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
+    options = dict(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
+                   has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
+                   page_size=page_size)
+    attend = lambda blocks, decode_only=False: _attend(
+        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sliding_window, options, blocks,
+        decode_only, generation, interpret)
+    if blocks is not None:
+        out = attend(blocks)
+    else:
+        mixed, decode = default_blocks(groups, page_size, page_indices.shape[1]), decode_blocks(groups, page_size, page_indices.shape[1])
+        if fits_smem(t, kv_lens.shape[0], page_indices.shape[1], decode, decode_only=True):
+            # Chosen on the device, no round trip: both are compiled, one runs.
+            out = jax.lax.cond(is_decode_only(cu_q_lens, num_seqs), lambda: attend(decode, True), lambda: attend(mixed))
+        else:
+            out = attend(mixed)
+    valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, page_indices.shape[1] * page_size)
+    return jnp.where(valid, out, jnp.nan)
+
+
+def is_decode_only(cu_q_lens, num_seqs):
+    """() bool: every live sequence has at most one new token."""
+    live = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs
+    return jnp.all(~live | (cu_q_lens[1:] - cu_q_lens[:-1] <= 1))
+
+
+def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sliding_window, options: dict,
+            blocks: BlockSizes, decode_only: bool, generation: str, interpret):
+    """ragged_paged_attention with its blocks chosen: [T, Hq, D]. decode_only: the caller knows
+    every live sequence has at most one new token (the step list is sized for that)."""
+    t, hq, _ = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    groups = hq // hkv
+    chunks = -(-page_indices.shape[1] // blocks.pages_per_block)
     # Sequences' global key positions are a whole number of chunks apart: a chunk's columns past
     # its sequence's pages must not reach the next sequence's positions.
     key_stride = chunks * blocks.pages_per_block * page_size
-    opts = Options(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
-                   has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
-                   page_size=page_size, key_stride=key_stride)
+    opts = Options(key_stride=key_stride, **options)
     num_tokens = round_up(max(t, 1), blocks.block_q)
-    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
     page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
     num_blocks = num_tokens // blocks.block_q
-    check_step_list_fits_smem(num_blocks, kv_lens.shape[0], chunks, blocks.pages_per_block)
+    check_step_list_fits_smem(num_blocks, kv_lens.shape[0], chunks, blocks.pages_per_block, decode_only)
     schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
                              blocks.pages_per_block * page_size, chunks, sliding_window,
-                             parts_for(generation, num_blocks))
+                             parts_for(generation, num_blocks), decode_only)
     lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, key_stride, sliding_window)
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)
     out = _kernel_call(heads_as_rows(q, groups, num_tokens), k_cache, v_cache, kv_lens, page_chunks,
-                       jnp.repeat(lo, groups)[None, :], jnp.repeat(hi, groups)[None, :], sink_rows, schedule,
+                       jnp.repeat(lo, groups)[:, None], jnp.repeat(hi, groups)[:, None], sink_rows, schedule,
                        opts=opts, blocks=blocks, interpret=interpret)
-    valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, max_len)
-    return jnp.where(valid, rows_as_heads(out, groups, t), jnp.nan)
+    return rows_as_heads(out, groups, t)
 
 
 def quantize(x, dtype, scale):

@@ -104,6 +104,36 @@ def test_chunks_longer_than_the_page_table_stay_in_their_sequence():
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
 
 
+def _kernel_rows_per_branch(fn, *args):
+    """{branch taken when the predicate is true / false: the kernel's query rows per block} of
+    the `lax.cond` that picks the kernel's blocks."""
+    import jax
+
+    (cond,) = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "cond"]
+    rows = {}
+    for taken, branch in zip((False, True), cond.params["branches"]):
+        (call,) = [e for e in branch.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        rows[taken] = call.params["grid_mapping"].block_mappings[2].block_shape[1].block_size  # q's block
+    return rows
+
+
+@pytest.mark.parametrize("q_lens,decode_only", [([1, 1, 0, 1], True), ([1, 2, 1, 1], False)], ids=["decode", "mixed"])
+def test_default_blocks_take_the_decode_path_on_decode_only_batches(q_lens, decode_only):
+    """Without blocks, the device picks the kernel: 8-row query blocks when every live sequence
+    has at most one new token (dead entries past num_seqs do not count, whatever they hold),
+    128-row ones otherwise; either matches the reference."""
+    case = ("default", q_lens, [40, 17, 9, 130], 4, 1, 64, 16, None, {})
+    args, options = _inputs(case, jnp.float32)
+    q, k_cache, v_cache, kv_lens, page_indices, cu, live = args
+    cu = cu.at[-1].set(cu[-2] + 5)  # a dead entry with 5 "new tokens": not a live sequence's
+    args = (q, k_cache, v_cache, kv_lens, page_indices, cu, live)
+    assert bool(ops.is_decode_only(cu, jnp.int32(live))) is decode_only
+    assert _kernel_rows_per_branch(lambda *a: ops.ragged_paged_attention(*a, interpret=True), *args) == {True: 8, False: 128}
+    out = ops.ragged_paged_attention(*args)
+    expected = reference.ragged_paged_attention(*args)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+
+
 def test_pages_past_a_sequence_are_never_read():
     """Every page past a sequence's length (and the stale rows of its last page) holds NaN, and
     the page table past them points out of the cache: the output is the reference's, finite."""
@@ -193,10 +223,14 @@ def test_options_out_of_range_raise():
         ops.ragged_paged_attention(*args, sinks=jnp.zeros((3,), jnp.float32))
 
 
-def test_kernel_passes_the_tpu_interpreter():
+DECODE_CASE = ("gqa_decode", [1, 1, 1, 0, 1], [70, 1, 90, 12, 33], 8, 2, 64, 16, ops.decode_blocks(4, 16, 4), {})
+
+
+@pytest.mark.parametrize("case", [CASES[1], DECODE_CASE], ids=lambda c: c[0])
+def test_kernel_passes_the_tpu_interpreter(case):
     """The TPU interpreter (race detection, DMA bounds, uninitialised memory as NaN) over a mixed
-    batch with a window and sinks: the copies of one chunk overlap the compute of the previous."""
-    case = CASES[1]
+    batch with a window and sinks, and over a decode batch in 8-row blocks whose two KV heads are
+    strided loads: the copies of one chunk overlap the compute of the previous."""
     args, options = _inputs(case, jnp.float32)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
     out = ops.ragged_paged_attention(*args, blocks=case[7], interpret=params, **options)

@@ -1,0 +1,224 @@
+"""Benchmarks paged attention (`make bench-paged`), modeled on this CPU machine.
+
+For each attention shape, serving batch (decode-only, or decode mixed with
+chunked prefill) and TPU generation, it reports for our kernel:
+
+- whether libtpu compiles it for that generation, and its VMEM;
+- the HBM bytes its grid moves (block-spec'd operands from the grid walk,
+  bench/grid_walk.py; the page copies the kernel starts itself, from its
+  step list and `kernel.chunk_pages`) against the K and V the sequences
+  actually hold plus q and out;
+- a modeled time read from the compiled kernel's own schedule and those
+  bytes, combined as the pipeline runs them (bench/pipeline.py), plus the
+  XLA ops around it (the step list, the layout changes).
+
+These are MODELED figures, not TPU measurements. Writes
+bench/results/paged_attention.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(BENCH)]
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+os.environ["JAX_PLATFORMS"] = "cpu"
+import tpu_compile  # noqa: E402
+
+tpu_compile.configure_environment()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import grid_walk  # noqa: E402
+import pipeline  # noqa: E402
+from runtime.generations import GENERATIONS, pipeline_seconds  # noqa: E402
+
+KERNEL_NAME = "ragged_paged_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    model: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    options: tuple = ()  # (name, value) pairs for ragged_paged_attention
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.options)
+
+
+SHAPES = [
+    AttentionShape("Llama-3-8B", 32, 8, 128),
+    AttentionShape("Qwen3-32B", 64, 8, 128),
+    AttentionShape("gpt-oss-20b (sliding layer)", 64, 8, 64, (("sliding_window", 128), ("sinks", True))),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A serving step: `decodes` sequences with one new token each and `prefills` sequences with a
+    chunk of `prefill_chunk` new tokens, each with a context (its tokens, the new ones included)
+    drawn evenly from [context / 2, context]."""
+    name: str
+    decodes: int
+    prefills: int
+    prefill_chunk: int
+    context: int
+    page_size: int = 16
+
+    @property
+    def seqs(self) -> int:
+        return self.decodes + self.prefills
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.prefills * self.prefill_chunk
+
+    def routing(self) -> dict:
+        """Concrete index arrays, as an engine passes them: decodes first, pages shuffled over a
+        pool just large enough."""
+        rng = np.random.default_rng(0)
+        q_lens = np.array([1] * self.decodes + [self.prefill_chunk] * self.prefills, np.int32)
+        kv_lens = rng.integers(self.context // 2, self.context + 1, self.seqs).astype(np.int32)
+        kv_lens = np.maximum(kv_lens, q_lens)
+        pages_per_seq = -(-self.context // self.page_size)
+        num_pages = self.seqs * pages_per_seq
+        page_indices = rng.permutation(num_pages).astype(np.int32).reshape(self.seqs, pages_per_seq)
+        return dict(kv_lens=kv_lens, page_indices=page_indices,
+                    cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                    num_seqs=np.int32(self.seqs), num_pages=num_pages)
+
+
+BATCHES = [
+    Batch("decode 64 x 8k", 64, 0, 0, 8192),
+    Batch("decode 256 x 2k", 256, 0, 0, 2048),
+    Batch("mixed 256 dec + 3 x 256 pre, 4k", 256, 3, 256, 4096),
+]
+BENCH_GENERATIONS = ("v6e", "tpu7x")
+
+
+def held_bytes(shape: AttentionShape, batch: Batch, routing: dict, cache_itemsize: int) -> dict:
+    """What the step must move at least: the K and V the sequences hold (a sliding window's
+    keys only), and q and out in bf16."""
+    window = shape.kwargs.get("sliding_window")
+    kv_lens = routing["kv_lens"].astype(np.int64)
+    if window:
+        q_lens = np.diff(routing["cu_q_lens"]).astype(np.int64)
+        kv_lens = np.minimum(kv_lens, window + q_lens - 1)
+    kv = int(kv_lens.sum()) * shape.kv_heads * shape.head_dim * 2 * cache_itemsize
+    q_out = 2 * batch.tokens * shape.q_heads * shape.head_dim * 2
+    return dict(kv=kv, q_out=q_out)
+
+
+def page_copy_bytes(cost, prefetch: dict, blocks, page_size: int, page_bytes: int) -> np.ndarray:
+    """Per grid step, the bytes of the page copies it waits for (started by the step before): the
+    kernel's own rule (`kernel.chunk_pages`) over its step list."""
+    from paged_attention import kernel
+
+    parts, steps = cost.grid
+    part = np.repeat(np.arange(parts), steps)
+    i = np.tile(np.arange(steps), parts)
+    count = prefetch["part_count"][part]
+    g = prefetch["part_first"][part] + np.clip(i, 0, np.maximum(count - 1, 0))
+    runs = (i < count) & (prefetch["works"][g] == 1)
+    pages = np.asarray(kernel.chunk_pages(prefetch["kv_lens"][prefetch["seq"][g]], prefetch["chunk"][g],
+                                          blocks.pages_per_block, page_size))
+    return np.where(runs, pages, 0).astype(np.int64) * page_bytes
+
+
+def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blocks=None):
+    """fn(q, k_cache, v_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs) of our kernel."""
+    from paged_attention import ops
+
+    options = shape.kwargs
+    has_sinks = options.pop("sinks", False)
+    quantized = jnp.dtype(cache_dtype).itemsize == 1
+
+    def fn(q, k_cache, v_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs):
+        return ops.ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                          sinks=sinks if has_sinks else None, k_scale=0.5 if quantized else None,
+                                          v_scale=0.5 if quantized else None, blocks=blocks, generation=generation,
+                                          interpret=False, **options)
+
+    return fn
+
+
+def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jnp.bfloat16, blocks=None) -> dict:
+    """Our kernel's compile, bytes and modeled time on one batch."""
+    from paged_attention import ops
+
+    gen = GENERATIONS[generation]
+    routing = batch.routing()
+    cache = ((routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim), cache_dtype)
+    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16), cache, cache, ((shape.q_heads,), jnp.float32)]
+    index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
+    specs = data + [(np.shape(a), jnp.int32) for a in index]
+    if blocks is None:  # the kernel the device picks for this batch (ops' lax.cond; the walk follows one)
+        pick = ops.decode_blocks if batch.prefills == 0 else ops.default_blocks
+        blocks = pick(shape.q_heads // shape.kv_heads, batch.page_size, routing["page_indices"].shape[1])
+    fn = ours(shape, routing, generation, cache_dtype, blocks)
+    try:
+        args = [jax.ShapeDtypeStruct(s, t) for s, t in data] + [jnp.asarray(a) for a in index]
+        calls = grid_walk.pallas_calls(fn, *args)
+        (eqn, invals), = [c for c in calls if KERNEL_NAME in str(eqn_name(c[0]))]
+        cost = grid_walk.analyze_call(eqn, invals, gen.mxu_width)
+        prefetch = dict(zip(("part_first", "part_count", "block", "seq", "chunk", "works", "kv_lens"),
+                            (np.asarray(v) for v in invals[1:8])))
+        page_bytes = batch.page_size * shape.kv_heads * shape.head_dim * 2 * jnp.dtype(cache_dtype).itemsize
+        pages = page_copy_bytes(cost, prefetch, blocks, batch.page_size, page_bytes)
+        cost.fetch_bytes = cost.fetch_bytes + pages
+        cost.hbm_bytes += int(pages.sum())
+        cost.bytes_by_operand["page copies"] = int(pages.sum())
+        report = tpu_compile.compile_for(fn, specs, generation, KERNEL_NAME)
+        parts = pipeline.program_seconds([cost], report.schedules, generation)
+    except Exception as err:  # noqa: BLE001  (a row says what failed)
+        return dict(error=str(err).splitlines()[0][:200])
+    held = held_bytes(shape, batch, routing, jnp.dtype(cache_dtype).itemsize)
+    return dict(compiles=True, tiling=f"{blocks.block_q}q x {blocks.pages_per_block}p",
+                vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
+                modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, compute_us=parts["compute"] * 1e6,
+                dma_us=parts["dma"] * 1e6, around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
+                grid_steps=int(cost.grid_steps), hbm_bytes=int(cost.hbm_bytes), kv_held_bytes=held["kv"],
+                hbm_vs_held=cost.hbm_bytes / (held["kv"] + held["q_out"]),
+                floor_us=(held["kv"] + held["q_out"]) / gen.hbm_bytes_per_s * 1e6)
+
+
+def eqn_name(eqn) -> str:
+    return eqn.params.get("name") or str(eqn.params.get("metadata", ""))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=[s.model for s in SHAPES])
+    parser.add_argument("--batches", nargs="*", default=[b.name for b in BATCHES])
+    parser.add_argument("--generations", nargs="*", default=list(BENCH_GENERATIONS), choices=list(GENERATIONS))
+    parser.add_argument("--out", type=Path, default=BENCH / "results")
+    args = parser.parse_args(argv)
+    rows = []
+    start = time.perf_counter()
+    for shape in (s for s in SHAPES if s.model in args.models):
+        for batch in (b for b in BATCHES if b.name in args.batches):
+            for generation in args.generations:
+                row = dict(model=shape.model, batch=batch.name, generation=generation, impl="ours",
+                           **measure(shape, batch, generation))
+                print(f"{time.perf_counter() - start:.0f} s", json.dumps(row), flush=True)
+                rows.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "paged_attention.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
