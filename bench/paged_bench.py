@@ -156,43 +156,54 @@ def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blo
 
 
 def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jnp.bfloat16, blocks=None) -> dict:
-    """Our kernel's compile, bytes and modeled time on one batch."""
-    from paged_attention import ops
-
+    """Our kernels' compile, bytes and modeled time on one batch (blocks None: the default path,
+    decode sequences and the others in kernels of their own)."""
     gen = GENERATIONS[generation]
     routing = batch.routing()
     cache = ((routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim), cache_dtype)
     data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16), cache, cache, ((shape.q_heads,), jnp.float32)]
     index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
     specs = data + [(np.shape(a), jnp.int32) for a in index]
-    if blocks is None:  # the kernel the device picks for this batch (ops' lax.cond; the walk follows one)
-        pick = ops.decode_blocks if batch.prefills == 0 else ops.default_blocks
-        blocks = pick(shape.q_heads // shape.kv_heads, batch.page_size, routing["page_indices"].shape[1])
     fn = ours(shape, routing, generation, cache_dtype, blocks)
+    page_bytes = batch.page_size * shape.kv_heads * shape.head_dim * 2 * jnp.dtype(cache_dtype).itemsize
     try:
         args = [jax.ShapeDtypeStruct(s, t) for s, t in data] + [jnp.asarray(a) for a in index]
-        calls = grid_walk.pallas_calls(fn, *args)
-        (eqn, invals), = [c for c in calls if KERNEL_NAME in str(eqn_name(c[0]))]
-        cost = grid_walk.analyze_call(eqn, invals, gen.mxu_width)
-        prefetch = dict(zip(("part_first", "part_count", "block", "seq", "chunk", "works", "kv_lens"),
-                            (np.asarray(v) for v in invals[1:8])))
-        page_bytes = batch.page_size * shape.kv_heads * shape.head_dim * 2 * jnp.dtype(cache_dtype).itemsize
-        pages = page_copy_bytes(cost, prefetch, blocks, batch.page_size, page_bytes)
-        cost.fetch_bytes = cost.fetch_bytes + pages
-        cost.hbm_bytes += int(pages.sum())
-        cost.bytes_by_operand["page copies"] = int(pages.sum())
+        costs, tilings = [], []
+        for eqn, invals in grid_walk.pallas_calls(fn, *args):
+            cost = grid_walk.analyze_call(eqn, invals, gen.mxu_width)
+            prefetch = dict(zip(("part_first", "part_count", "block", "seq", "chunk", "works", "kv_lens"),
+                                (np.asarray(v) for v in invals[1:8])))
+            kernel_blocks = _blocks_of(eqn, shape)
+            pages = page_copy_bytes(cost, prefetch, kernel_blocks, batch.page_size, page_bytes)
+            cost.fetch_bytes = cost.fetch_bytes + pages
+            cost.hbm_bytes += int(pages.sum())
+            cost.bytes_by_operand["page copies"] = int(pages.sum())
+            costs.append(cost)
+            tilings.append(f"{cost.name.removeprefix(KERNEL_NAME).strip('_') or 'all'} "
+                           f"{kernel_blocks.block_q}q x {kernel_blocks.pages_per_block}p")
         report = tpu_compile.compile_for(fn, specs, generation, KERNEL_NAME)
-        parts = pipeline.program_seconds([cost], report.schedules, generation)
+        parts = pipeline.program_seconds(costs, report.schedules, generation)
     except Exception as err:  # noqa: BLE001  (a row says what failed)
         return dict(error=str(err).splitlines()[0][:200])
     held = held_bytes(shape, batch, routing, jnp.dtype(cache_dtype).itemsize)
-    return dict(compiles=True, tiling=f"{blocks.block_q}q x {blocks.pages_per_block}p",
+    hbm = sum(c.hbm_bytes for c in costs)
+    return dict(compiles=True, tiling=" + ".join(tilings),
                 vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
                 modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, compute_us=parts["compute"] * 1e6,
                 dma_us=parts["dma"] * 1e6, around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
-                grid_steps=int(cost.grid_steps), hbm_bytes=int(cost.hbm_bytes), kv_held_bytes=held["kv"],
-                hbm_vs_held=cost.hbm_bytes / (held["kv"] + held["q_out"]),
+                grid_steps=sum(int(c.grid_steps) for c in costs), hbm_bytes=hbm, kv_held_bytes=held["kv"],
+                hbm_vs_held=hbm / (held["kv"] + held["q_out"]),
                 floor_us=(held["kv"] + held["q_out"]) / gen.hbm_bytes_per_s * 1e6)
+
+
+def _blocks_of(eqn, shape: AttentionShape):
+    """A kernel's BlockSizes, read from its pallas_call: query rows per block over G, pages per chunk."""
+    from paged_attention.kernel import BlockSizes
+
+    mappings = eqn.params["grid_mapping"].block_mappings
+    rows = mappings[2].block_shape[1].block_size  # q's block
+    pages_per_block = mappings[0].block_shape[-1].block_size  # the page-table chunk
+    return BlockSizes(rows // (shape.q_heads // shape.kv_heads), pages_per_block)
 
 
 def eqn_name(eqn) -> str:

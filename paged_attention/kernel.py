@@ -74,6 +74,12 @@ def _global_step(part, i, part_first, part_count):
     return part_first[part] + jnp.clip(i, 0, jnp.maximum(count - 1, 0)), i < count
 
 
+def query_block(part, i, part_first, part_count, step_block, spare: int):
+    """The query block grid step (part, i) reads and writes: its step's, or the spare block for a
+    part with no step (whose write-back must not land on a block the other part computes)."""
+    return jnp.where(part_count[part] == 0, spare, step_block[_global_step(part, i, part_first, part_count)[0]])
+
+
 def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar prefetch
             pages_now, pages_next, q_ref, lo_ref, hi_ref, sink_ref, k_hbm, v_hbm,  # inputs
             o_ref,  # output
@@ -168,10 +174,11 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
 
 
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, row_hi, sink_rows, schedule, *,
-                           opts: Options, blocks: BlockSizes, interpret):
-    """o [Hkv, T*G, Dv] in q's dtype.
+                           opts: Options, blocks: BlockSizes, interpret, name="ragged_paged_attention"):
+    """o [Hkv, T*G, Dv] in q's dtype; blocks no step covers hold whatever VMEM held.
 
-    q [Hkv, T*G, D] (T a multiple of block_q); k_cache [pages, page_size, Hkv, D],
+    q [Hkv, T*G, D] (T a multiple of block_q, its last block a spare no step covers: a part with no
+    step of its own idles there); k_cache [pages, page_size, Hkv, D],
     v_cache [.., Dv]; kv_lens [S] int32; page_chunks [S, chunks, 1, pages_per_block] int32
     (a sequence's page table cut in chunks); row_lo, row_hi [T*G, 1] int32 (global key
     positions); sink_rows [Hkv, block_q*G, 1] f32; schedule: `ops.make_schedule`'s step arrays.
@@ -179,6 +186,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
     hkv, rows, d = q.shape
     dv = v_cache.shape[3]
     rows_per_block = blocks.block_q * opts.groups
+    spare = rows // rows_per_block - 1  # `query_block`
     ppb, page_size = blocks.pages_per_block, opts.page_size
     # A page as [page_size * Hkv, D] (token-major, head-minor): the same bytes (XLA adds no copy,
     # checked in libtpu's compile), so a chunk's head is a strided load of whole rows.
@@ -187,10 +195,10 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
     last = schedule.block.shape[0] - 1
 
     def q_block(part, i, first, count, block, *_):
-        return 0, block[_global_step(part, i, first, count)[0]], 0
+        return 0, query_block(part, i, first, count, block, spare), 0
 
     def row_block(part, i, first, count, block, *_):
-        return block[_global_step(part, i, first, count)[0]], 0
+        return query_block(part, i, first, count, block, spare), 0
 
     def chunk_now(part, i, first, count, block, seq, chunk, *_):
         g = _global_step(part, i, first, count)[0]
@@ -206,7 +214,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
         out_shape=jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
-            grid=(parts, jnp.max(schedule.part_count)),
+            grid=(parts, jnp.maximum(jnp.max(schedule.part_count), 1)),
             in_specs=[
                 smem_chunk(chunk_now),
                 smem_chunk(chunk_next),
@@ -232,7 +240,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
         # A part's steps carry the K/V copies from one to the next: they run in order on one core.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
-        name="ragged_paged_attention",
+        name=name,
     )(schedule.part_first, schedule.part_count, schedule.block, schedule.seq, schedule.chunk, schedule.works,
       kv_lens, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_pages, v_pages)
 

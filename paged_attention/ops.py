@@ -47,16 +47,20 @@ class Schedule:
 
 
 def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, chunk: int, num_chunks: int,
-                  sliding_window: int | None, parts: int = 1, decode_only: bool = False) -> Schedule:
+                  sliding_window: int | None, parts: int = 1, only: str | None = None) -> Schedule:
     """The steps, on the device. num_tokens: the padded token count (a multiple of block_q);
     chunk: keys per chunk; num_chunks: chunks per sequence at most; parts: 2 cuts the steps in
-    two runs at the block boundary nearest their middle (`parts_for`); decode_only: the arrays
-    are sized for a batch whose live sequences have one new token at most (`step_capacity`)."""
+    two runs at the block boundary nearest their middle (`parts_for`). only: "decode" (sequences
+    with one new token) or "prefill" (more than one): those sequences' steps alone, and no step
+    for a block without their tokens (the caller fills those rows); None: every sequence, and a
+    step that writes zeros for each block without a live token."""
     num_blocks = num_tokens // block_q
     max_seqs = kv_lens.shape[0]
     live = jnp.arange(max_seqs) < num_seqs
     q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
     q_len = jnp.where(live, q_end - q_start, 0)
+    if only is not None:
+        q_len = jnp.where((q_len == 1) == (only == "decode"), q_len, 0)
     first_block, last_block = q_start // block_q, (q_end - 1) // block_q
     # (block, sequence) pairs, sequence-major, which is block-major too: a sequence's tokens follow
     # the previous one's. Then one pair per block that holds no live token.
@@ -70,7 +74,7 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
     is_seq_pair = p < total_seq_pairs
     b = jnp.where(is_seq_pair, first_block[s] + p - (seq_pair_end[s] - seq_pairs[s]),
                   live_blocks + p - total_seq_pairs)
-    is_pad_pair = ~is_seq_pair & (b < num_blocks)
+    is_pad_pair = ~is_seq_pair & (b < num_blocks) & (only is None)
     # The positions of the pair's first and last rows, and the chunks they see.
     offset = kv_lens[s] - q_len[s] - q_start[s]  # token t of sequence s is at position t + offset
     pos_first = jnp.maximum(q_start[s], b * block_q) + offset
@@ -80,14 +84,14 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
     chunk_last = jnp.clip(pos_last // chunk, 0, num_chunks - 1)
     steps = jnp.where(is_seq_pair, jnp.maximum(chunk_last - chunk_first + 1, 1), is_pad_pair.astype(jnp.int32))
     step_end = jnp.cumsum(steps)
-    max_steps = step_capacity(num_blocks, max_seqs, num_chunks, decode_only)
+    max_steps = step_capacity(num_blocks, max_seqs, num_chunks, only)
     count = jnp.clip(step_end[-1], 0, max_steps)  # inconsistent index arrays cannot run the grid past the arrays
     i = jnp.arange(max_steps, dtype=jnp.int32)
     pair = jnp.clip(jnp.searchsorted(step_end, i, side="right"), 0, max_pairs - 1)
     in_pair = i - (step_end[pair] - steps[pair])
     block = jnp.clip(b[pair], 0, num_blocks - 1)
     if parts == 2:
-        # Every block has a step, so with two blocks or more some step after the first starts one.
+        # With no step after the first starting a block (one block), part 1 gets every step.
         starts = (i > 0) & (i < count) & (block != block[jnp.maximum(i - 1, 0)])
         split = jnp.argmin(jnp.where(starts, jnp.abs(2 * i - count), jnp.iinfo(jnp.int32).max))
         part_first, part_count = jnp.stack([0, split]), jnp.stack([split, count - split])
@@ -118,30 +122,30 @@ def decode_blocks(groups: int, page_size: int, pages_per_seq: int) -> BlockSizes
 SMEM_RESERVE = 16 << 10  # left to Mosaic's own scalars
 
 
-def step_capacity(num_blocks: int, max_seqs: int, num_chunks: int, decode_only: bool) -> int:
-    """The steps a call can have: a pair (query block, sequence) walks up to every chunk, and a
-    sequence's tokens span at most one more block than the blocks they fill; decode-only, each
-    sequence is one pair, and each block without a live token one step."""
-    return max_seqs * num_chunks + num_blocks if decode_only else (num_blocks + max_seqs) * num_chunks
+def step_capacity(num_blocks: int, max_seqs: int, num_chunks: int, only: str | None) -> int:
+    """The steps a call can have (`make_schedule`): a pair (query block, sequence) walks up to
+    every chunk, and a sequence's tokens span at most one more block than the blocks they fill;
+    a decode sequence is one pair."""
+    return max_seqs * num_chunks if only == "decode" else (num_blocks + max_seqs) * num_chunks
 
 
-def smem_bytes(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int, decode_only: bool) -> int:
+def smem_bytes(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int, only: str | None) -> int:
     """The step arrays (`make_schedule`: four int32 per possible step), kv_lens and each step's two
     page-table rows, scalar-prefetched into SMEM. (libtpu counted 1157 KiB for a call this counts
     as 1154 KiB.)"""
-    return 4 * (4 * step_capacity(num_blocks, max_seqs, num_chunks, decode_only) + max_seqs + 4 + 4 * pages_per_block)
+    return 4 * (4 * step_capacity(num_blocks, max_seqs, num_chunks, only) + max_seqs + 4 + 4 * pages_per_block)
 
 
-def fits_smem(tokens: int, max_seqs: int, pages_per_seq: int, blocks: BlockSizes, decode_only: bool) -> bool:
+def fits_smem(tokens: int, max_seqs: int, pages_per_seq: int, blocks: BlockSizes, only: str | None) -> bool:
     num_blocks = -(-max(tokens, 1) // blocks.block_q)
     chunks = -(-pages_per_seq // blocks.pages_per_block)
-    return smem_bytes(num_blocks, max_seqs, chunks, blocks.pages_per_block, decode_only) <= SMEM_BYTES - SMEM_RESERVE
+    return smem_bytes(num_blocks, max_seqs, chunks, blocks.pages_per_block, only) <= SMEM_BYTES - SMEM_RESERVE
 
 
 def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int,
-                              decode_only: bool = False) -> None:
+                              only: str | None = None) -> None:
     """Past SMEM's 1 MiB the compile fails: say so first, with what to change."""
-    need = smem_bytes(num_blocks, max_seqs, num_chunks, pages_per_block, decode_only)
+    need = smem_bytes(num_blocks, max_seqs, num_chunks, pages_per_block, only)
     if need > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(
             f"the kernel's step list needs {need / 1024:.0f} KiB of SMEM, more than the "
@@ -156,13 +160,18 @@ def parts_for(generation: str, num_blocks: int) -> int:
     return GENERATIONS[generation].cores_per_device if num_blocks > 1 else 1
 
 
+def token_seqs(cu_q_lens, num_seqs, num_tokens: int):
+    """[num_tokens] int32 each: the token index, its sequence, and whether that sequence is live."""
+    max_seqs = cu_q_lens.shape[0] - 1
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
+    return t, seq, (t < cu_q_lens[jnp.minimum(num_seqs, max_seqs)]) & (seq < num_seqs)
+
+
 def token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens: int, key_stride: int, sliding_window: int | None):
     """[num_tokens] int32 (lo, hi): the keys each token sees, as global positions (kernel.py);
     a token past the live sequences' sees none (lo > hi)."""
-    max_seqs = kv_lens.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
-    live = (t < cu_q_lens[jnp.minimum(num_seqs, max_seqs)]) & (seq < num_seqs)
+    t, seq, live = token_seqs(cu_q_lens, num_seqs, num_tokens)
     position = t - cu_q_lens[seq] + kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq])
     first = jnp.maximum(position - sliding_window + 1, 0) if sliding_window else jnp.zeros_like(position)
     return jnp.where(live, seq * key_stride + first, NO_KEY), jnp.where(live, seq * key_stride + position, -1)
@@ -228,9 +237,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     padded past it). Returns [T, Hq, D] in q's dtype; tokens past the live sequences' get
     zeros. Index values are checked on the device: invalid ones make the output NaN.
     generation: the TPU generation to run on (default: the current device's); on v5p the
-    steps are split over the megacore's two cores. Without `blocks`, a decode-only batch (one
-    new token per live sequence at most) runs with 8-row query blocks (`decode_blocks`), any
-    other with 128-row ones (`default_blocks`): both are compiled and the device picks one.
+    steps are split over the megacore's two cores. Without `blocks`, decode sequences (one new
+    token) run in 8-row query blocks (`decode_blocks`) and the others in 128-row ones
+    (`default_blocks`), two kernels over the batch, each stepping through its own sequences.
     """
     check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
     if sliding_window is not None and sliding_window < 1:
@@ -247,32 +256,30 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     options = dict(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
                    has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
                    page_size=page_size)
-    attend = lambda blocks, decode_only=False: _attend(
+    attend = lambda blocks, only=None: _attend(
         q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sliding_window, options, blocks,
-        decode_only, generation, interpret)
+        only, generation, interpret)
+    mixed = default_blocks(groups, page_size, page_indices.shape[1])
+    decode = decode_blocks(groups, page_size, page_indices.shape[1])
     if blocks is not None:
         out = attend(blocks)
+    elif fits_smem(t, kv_lens.shape[0], page_indices.shape[1], decode, "decode"):
+        # Decode sequences in 8-row blocks, the others in 128-row ones: two kernels over one batch,
+        # each stepping through its own sequences only; a token takes its sequence's kernel's row.
+        _, seq, live = token_seqs(cu_q_lens, num_seqs, t)
+        single = (cu_q_lens[seq + 1] - cu_q_lens[seq] == 1)[:, None, None]
+        out = jnp.where(single, attend(decode, "decode"), attend(mixed, "prefill"))
+        out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
     else:
-        mixed, decode = default_blocks(groups, page_size, page_indices.shape[1]), decode_blocks(groups, page_size, page_indices.shape[1])
-        if fits_smem(t, kv_lens.shape[0], page_indices.shape[1], decode, decode_only=True):
-            # Chosen on the device, no round trip: both are compiled, one runs.
-            out = jax.lax.cond(is_decode_only(cu_q_lens, num_seqs), lambda: attend(decode, True), lambda: attend(mixed))
-        else:
-            out = attend(mixed)
+        out = attend(mixed)
     valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, page_indices.shape[1] * page_size)
     return jnp.where(valid, out, jnp.nan)
 
 
-def is_decode_only(cu_q_lens, num_seqs):
-    """() bool: every live sequence has at most one new token."""
-    live = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs
-    return jnp.all(~live | (cu_q_lens[1:] - cu_q_lens[:-1] <= 1))
-
-
 def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sliding_window, options: dict,
-            blocks: BlockSizes, decode_only: bool, generation: str, interpret):
-    """ragged_paged_attention with its blocks chosen: [T, Hq, D]. decode_only: the caller knows
-    every live sequence has at most one new token (the step list is sized for that)."""
+            blocks: BlockSizes, only: str | None, generation: str, interpret):
+    """ragged_paged_attention with its blocks chosen: [T, Hq, D]. only: "decode" or "prefill",
+    that kind of sequence alone (`make_schedule`), other tokens' rows left undefined."""
     t, hq, _ = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     groups = hq // hkv
@@ -281,20 +288,22 @@ def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sin
     # its sequence's pages must not reach the next sequence's positions.
     key_stride = chunks * blocks.pages_per_block * page_size
     opts = Options(key_stride=key_stride, **options)
-    num_tokens = round_up(max(t, 1), blocks.block_q)
+    num_tokens = round_up(max(t, 1), blocks.block_q)  # the kernel's q has a spare block past these
     page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
     page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
     num_blocks = num_tokens // blocks.block_q
-    check_step_list_fits_smem(num_blocks, kv_lens.shape[0], chunks, blocks.pages_per_block, decode_only)
+    check_step_list_fits_smem(num_blocks, kv_lens.shape[0], chunks, blocks.pages_per_block, only)
     schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
                              blocks.pages_per_block * page_size, chunks, sliding_window,
-                             parts_for(generation, num_blocks), decode_only)
+                             parts_for(generation, num_blocks), only)
+    num_tokens += blocks.block_q
     lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, key_stride, sliding_window)
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)
     out = _kernel_call(heads_as_rows(q, groups, num_tokens), k_cache, v_cache, kv_lens, page_chunks,
                        jnp.repeat(lo, groups)[:, None], jnp.repeat(hi, groups)[:, None], sink_rows, schedule,
-                       opts=opts, blocks=blocks, interpret=interpret)
+                       opts=opts, blocks=blocks, interpret=interpret,
+                       name="ragged_paged_attention" + (f"_{only}" if only else ""))
     return rows_as_heads(out, groups, t)
 
 

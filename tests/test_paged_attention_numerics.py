@@ -104,34 +104,33 @@ def test_chunks_longer_than_the_page_table_stay_in_their_sequence():
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
 
 
-def _kernel_rows_per_branch(fn, *args):
-    """{branch taken when the predicate is true / false: the kernel's query rows per block} of
-    the `lax.cond` that picks the kernel's blocks."""
+def _kernels_rows(fn, *args):
+    """{pallas_call name: query rows per block} of the kernels fn runs."""
     import jax
 
-    (cond,) = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "cond"]
-    rows = {}
-    for taken, branch in zip((False, True), cond.params["branches"]):
-        (call,) = [e for e in branch.jaxpr.eqns if e.primitive.name == "pallas_call"]
-        rows[taken] = call.params["grid_mapping"].block_mappings[2].block_shape[1].block_size  # q's block
-    return rows
+    calls = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return {e.params["name"]: e.params["grid_mapping"].block_mappings[2].block_shape[1].block_size for e in calls}
 
 
-@pytest.mark.parametrize("q_lens,decode_only", [([1, 1, 0, 1], True), ([1, 2, 1, 1], False)], ids=["decode", "mixed"])
-def test_default_blocks_take_the_decode_path_on_decode_only_batches(q_lens, decode_only):
-    """Without blocks, the device picks the kernel: 8-row query blocks when every live sequence
-    has at most one new token (dead entries past num_seqs do not count, whatever they hold),
-    128-row ones otherwise; either matches the reference."""
+@pytest.mark.parametrize("q_lens,generation", [([1, 1, 0, 1], "v6e"), ([1, 2, 1, 7], "v6e"), ([3, 2, 0, 9], "v6e"),
+                                                ([0, 1, 0, 0], "v5p")], ids=["decode", "mixed", "prefill", "one_decode_v5p"])
+def test_default_blocks_run_decode_sequences_in_8_row_blocks(q_lens, generation):
+    """Without blocks, decode sequences run in one kernel with 8-row query blocks and the others
+    in another with 128-row ones, each over its own sequences: decode-only, mixed, prefill-only
+    (the decode kernel has no step) and a single decode token (on v5p one core gets no step and
+    idles on the spare block) all match the reference, and tokens of no live sequence are zero
+    (a dead entry past num_seqs claims 5 of them)."""
     case = ("default", q_lens, [40, 17, 9, 130], 4, 1, 64, 16, None, {})
     args, options = _inputs(case, jnp.float32)
     q, k_cache, v_cache, kv_lens, page_indices, cu, live = args
-    cu = cu.at[-1].set(cu[-2] + 5)  # a dead entry with 5 "new tokens": not a live sequence's
+    cu = cu.at[-1].set(cu[-2] + 5)  # the dead entry
     args = (q, k_cache, v_cache, kv_lens, page_indices, cu, live)
-    assert bool(ops.is_decode_only(cu, jnp.int32(live))) is decode_only
-    assert _kernel_rows_per_branch(lambda *a: ops.ragged_paged_attention(*a, interpret=True), *args) == {True: 8, False: 128}
-    out = ops.ragged_paged_attention(*args)
+    call = lambda *a: ops.ragged_paged_attention(*a, generation=generation)
+    assert _kernels_rows(call, *args) == {"ragged_paged_attention_decode": 8, "ragged_paged_attention_prefill": 128}
+    out = call(*args)
     expected = reference.ragged_paged_attention(*args)
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert not np.any(np.asarray(out[int(cu[live]):])), "tokens past the live sequences must get zeros"
 
 
 def test_pages_past_a_sequence_are_never_read():
@@ -223,14 +222,16 @@ def test_options_out_of_range_raise():
         ops.ragged_paged_attention(*args, sinks=jnp.zeros((3,), jnp.float32))
 
 
-DECODE_CASE = ("gqa_decode", [1, 1, 1, 0, 1], [70, 1, 90, 12, 33], 8, 2, 64, 16, ops.decode_blocks(4, 16, 4), {})
+# Without blocks: decode sequences in 8-row blocks beside a prefill in 128-row ones, two KV heads
+# read as strided loads.
+DEFAULT_CASE = ("gqa_default_blocks", [1, 1, 6, 0, 1], [70, 1, 90, 12, 33], 8, 2, 64, 16, None, {})
 
 
-@pytest.mark.parametrize("case", [CASES[1], DECODE_CASE], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[1], DEFAULT_CASE], ids=lambda c: c[0])
 def test_kernel_passes_the_tpu_interpreter(case):
     """The TPU interpreter (race detection, DMA bounds, uninitialised memory as NaN) over a mixed
-    batch with a window and sinks, and over a decode batch in 8-row blocks whose two KV heads are
-    strided loads: the copies of one chunk overlap the compute of the previous."""
+    batch with a window and sinks, and over the default blocks' two kernels: the copies of one
+    chunk overlap the compute of the previous."""
     args, options = _inputs(case, jnp.float32)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
     out = ops.ragged_paged_attention(*args, blocks=case[7], interpret=params, **options)
@@ -313,10 +314,34 @@ def test_megacore_split_matches_the_reference(case):
         assert abs(int(count[0]) - int(count[1])) <= max(count) // 2, "cut near the middle"
 
 
-def test_megacore_split_passes_the_tpu_interpreter():
+@pytest.mark.parametrize("only", ["decode", "prefill"])
+def test_megacore_parts_write_disjoint_blocks(only):
+    """With one decode token and one short prefill, each kernel's steps fit one block: part 1 takes
+    them and part 0, with none, reads and writes only the spare block past the tokens (its
+    write-back on a block part 1 computes would race; the TPU interpreter ran part 0 first and did
+    not report it)."""
+    from paged_attention import kernel
+
+    args, _ = _inputs(ONE_DECODE_CASE, jnp.float32)
+    _, _, _, kv_lens, page_indices, cu, live = args
+    blocks = ops.decode_blocks(4, 16, 4) if only == "decode" else ops.default_blocks(4, 16, 4)
+    num_tokens = -(-int(cu[-1]) // blocks.block_q) * blocks.block_q
+    schedule = ops.make_schedule(cu, kv_lens, jnp.int32(live), num_tokens, blocks.block_q,
+                                 blocks.pages_per_block * 16, 1, None, parts=2, only=only)
+    spare = num_tokens // blocks.block_q
+    written = [{int(kernel.query_block(p, i, schedule.part_first, schedule.part_count, schedule.block, spare))
+                for i in range(max(int(schedule.part_count.max()), 1))} for p in (0, 1)]
+    assert list(schedule.part_count) == [0, 1] and written == [{spare}, {0}]
+
+
+ONE_DECODE_CASE = ("one_decode_default_blocks", [0, 1, 3], [9, 40, 20], 4, 1, 64, 16, None, {})
+
+
+@pytest.mark.parametrize("case", [CASES[0], ONE_DECODE_CASE], ids=lambda c: c[0])
+def test_megacore_split_passes_the_tpu_interpreter(case):
     """Two simulated cores running the two parts: no race between them (each writes only its own
-    query blocks), no out-of-bounds DMA, no uninitialised read."""
-    case = CASES[0]
+    query blocks; a part with no step, as the decode kernel's first part with one decode token,
+    idles on the spare block), no out-of-bounds DMA, no uninitialised read."""
     args, options = _inputs(case, jnp.float32)
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
     out = ops.ragged_paged_attention(*args, blocks=case[7], generation="v5p", interpret=params, **options)
