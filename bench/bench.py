@@ -519,7 +519,7 @@ def summary_lines(results: list[dict]) -> list[str]:
                 f"| {generation} | {pass_name} | {len(rows)} | {sum(x <= 1 + 1e-9 for x in ratios)} "
                 f"| {len(rows) - len(ratios)} | {geomean(ratios):.2f} | {max(ratios, default=float('nan')):.2f} "
                 f"| {geomean([r['vs_roofline'] for r in rows]):.2f} "
-                f"| {geomean(vs_v1):.2f} ({max(vs_v1, default=float('nan')):.2f}) |")
+                + (f"| {geomean(vs_v1):.2f} ({max(vs_v1):.2f}) |" if vs_v1 else "| - (not re-run since v1) |"))
     unmapped = {}
     for r in results:
         if r.get("regions_mapped") is False:
