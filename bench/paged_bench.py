@@ -210,6 +210,30 @@ def eqn_name(eqn) -> str:
     return eqn.params.get("name") or str(eqn.params.get("metadata", ""))
 
 
+def write_markdown(rows: list[dict], path: Path) -> None:
+    lines = [
+        "# paged_attention: modeled performance (NOT measured on a TPU)",
+        "",
+        "Modeled time is read from our compiled kernels (bench/pipeline.py): libtpu's final bundles give",
+        "each grid step's issue cycles; the bytes each step waits for are its block-spec'd operands (grid",
+        "walk) and the pages it copies itself (its step list). `floor`: the K/V the sequences hold plus q",
+        "and out, at full HBM bandwidth; `HBM / held`: bytes moved over those. bf16 caches, 16-token pages.",
+        "No anchor yet (see the card).",
+        "",
+        "| model | batch | gen | blocks | VMEM MiB | grid steps | HBM / held | compute us | DMA us | around us "
+        "| modeled us | floor us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['error']} |" + " |" * 8)
+            continue
+        lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['tiling']} | {r['vmem_used'] / 2**20:.1f} "
+                     f"| {r['grid_steps']} | {r['hbm_vs_held']:.3f} | {r['compute_us']:.0f} | {r['dma_us']:.0f} "
+                     f"| {r['around_us']:.0f} | {r['modeled_us']:.0f} | {r['floor_us']:.0f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=[s.model for s in SHAPES])
@@ -219,15 +243,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = []
     start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
     for shape in (s for s in SHAPES if s.model in args.models):
         for batch in (b for b in BATCHES if b.name in args.batches):
             for generation in args.generations:
                 row = dict(model=shape.model, batch=batch.name, generation=generation, impl="ours",
                            **measure(shape, batch, generation))
-                print(f"{time.perf_counter() - start:.0f} s", json.dumps(row), flush=True)
+                print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation}: "
+                      f"{row.get('modeled_us', row.get('error'))}", flush=True)
                 rows.append(row)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "paged_attention.json").write_text(json.dumps(rows, indent=1))
+                # Rewritten after every row, so a long run interrupted still leaves a table.
+                (args.out / "paged_attention.json").write_text(json.dumps(rows, indent=1))
+                write_markdown(rows, args.out / "paged_attention.md")
+    print(f"wrote {args.out / 'paged_attention.md'}: MODELED figures, not TPU measurements")
     return 0
 
 
