@@ -107,15 +107,15 @@ KEYS_PER_CHUNK = 512
 
 
 def default_blocks(groups: int, page_size: int, pages_per_seq: int) -> BlockSizes:
-    """Any batch: 128 query rows per block; 512 keys per chunk, or the whole page table when it is
+    """Sequences with more than one new token: 128 query rows per block; 512 keys per chunk, or the whole page table when it is
     shorter (no chunk past it to copy nothing into, and less unrolled code)."""
     return BlockSizes(block_q=max(8, 128 // groups), pages_per_block=max(1, min(KEYS_PER_CHUNK // page_size, pages_per_seq)))
 
 
 def decode_blocks(groups: int, page_size: int, pages_per_seq: int) -> BlockSizes:
-    """Decode-only batches: a step computes one sequence's token against a chunk, so a block of
-    the fewest rows a block may have (8) wastes the least; 128-row blocks spent 1.6x the time on
-    Llama-3-8B decode at 8k on v6e (MODELED, bench/paged_bench.py)."""
+    """Decode sequences (one new token): a step computes one sequence's token against a chunk, so
+    a block of the fewest rows a block may have (8) wastes the least; 128-row blocks spent 1.6x
+    the time on Llama-3-8B decode at 8k on v6e (MODELED, bench/paged_bench.py)."""
     return dataclasses.replace(default_blocks(groups, page_size, pages_per_seq), block_q=8 // math.gcd(8, groups))
 
 
