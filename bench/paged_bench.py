@@ -40,23 +40,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import grid_walk  # noqa: E402
+from flash_bench import AttentionShape  # noqa: E402  (options: ragged_paged_attention's keywords here)
 import pipeline  # noqa: E402
 from runtime.generations import GENERATIONS, pipeline_seconds  # noqa: E402
 
 KERNEL_NAME = "ragged_paged_attention"
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionShape:
-    model: str
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    options: tuple = ()  # (name, value) pairs for ragged_paged_attention
-
-    @property
-    def kwargs(self) -> dict:
-        return dict(self.options)
 
 
 SHAPES = [
