@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test build bench bench-flash bench-paged tune tune-flash check-tuned check-compile publish venv clean
+.PHONY: demo test build bench bench-flash bench-paged tune tune-flash tune-paged check-tuned check-compile publish venv clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) kernels/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q --durations=25
+	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25
 
 build: $(STAMP)
 	$(PY) kernels/build_collection.py
@@ -44,12 +44,16 @@ bench-paged: $(BENCH_STAMP)
 tune-flash: $(STAMP)
 	$(PY) bench/flash_tune.py $(TUNE_ARGS)
 
+tune-paged: $(STAMP)
+	$(PY) bench/paged_tune.py $(TUNE_ARGS)
+
 tune: $(STAMP)
 	$(PY) bench/tune.py $(TUNE_ARGS)
 
 check-tuned: $(STAMP)
 	RAGGED_DOT_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_tuned_blocks.py -q
 	FLASH_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_flash_attention_tpu.py -q -k tuned_entry
+	PAGED_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_paged_attention_tpu.py -q -k tuned_entry
 
 check-compile: $(STAMP)
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_ragged_dot_tpu.py tests/test_flash_attention_tpu.py tests/test_paged_attention_tpu.py -q

@@ -26,6 +26,7 @@ from ._shared.generations import GENERATIONS, SMEM_BYTES, current_generation, de
 from ._shared.tuning import round_up
 from .kernel import TOKENS_PER_WRITE_STEP, BlockSizes, Options, write_cache
 from .kernel import ragged_paged_attention as _kernel_call
+from . import tuning
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # a row_lo no key reaches: the row sees nothing
 CACHE_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int8)
@@ -101,22 +102,6 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
                     jnp.clip(chunk_first[pair] + in_pair, 0, num_chunks - 1).astype(jnp.int32),
                     (is_seq_pair[pair] & (i < count)).astype(jnp.int32), part_first.astype(jnp.int32),
                     part_count.astype(jnp.int32))
-
-
-KEYS_PER_CHUNK = 512
-
-
-def default_blocks(groups: int, page_size: int, pages_per_seq: int) -> BlockSizes:
-    """Sequences with more than one new token: 128 query rows per block; 512 keys per chunk, or the whole page table when it is
-    shorter (no chunk past it to copy nothing into, and less unrolled code)."""
-    return BlockSizes(block_q=max(8, 128 // groups), pages_per_block=max(1, min(KEYS_PER_CHUNK // page_size, pages_per_seq)))
-
-
-def decode_blocks(groups: int, page_size: int, pages_per_seq: int) -> BlockSizes:
-    """Decode sequences (one new token): a step computes one sequence's token against a chunk, so
-    a block of the fewest rows a block may have (8) wastes the least; 128-row blocks spent 1.6x
-    the time on Llama-3-8B decode at 8k on v6e (MODELED, bench/paged_bench.py)."""
-    return dataclasses.replace(default_blocks(groups, page_size, pages_per_seq), block_q=8 // math.gcd(8, groups))
 
 
 SMEM_RESERVE = 16 << 10  # left to Mosaic's own scalars
@@ -232,8 +217,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     zeros. Index values are checked on the device: invalid ones make the output NaN.
     generation: the TPU generation to run on (default: the current device's); on v5p the
     steps are split over the megacore's two cores. Without `blocks`, decode sequences (one new
-    token) run in 8-row query blocks (`decode_blocks`) and the others in 128-row ones
-    (`default_blocks`), two kernels over the batch, each stepping through its own sequences.
+    token) run in 8-row query blocks (`tuning.decode_blocks`) and the others in larger ones
+    (`tuning.prefill_blocks`), two kernels over the batch, each stepping through its own sequences.
     """
     check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
     if sliding_window is not None and sliding_window < 1:
@@ -256,14 +241,14 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     if blocks is not None:
         out = attend(blocks)
     else:
-        # Decode sequences in 8-row blocks, the others in 128-row ones: two kernels over one batch,
+        # Decode sequences in 8-row blocks, the others in larger ones: two kernels over one batch,
         # each stepping through its own sequences only; a token takes its sequence's kernel's row.
-        pages_per_seq = page_indices.shape[1]
+        table = (groups, page_size, page_indices.shape[1], d, k_cache.dtype, generation)
         _, seq, live = token_seqs(cu_q_lens, num_seqs, t)
         single = (cu_q_lens[seq + 1] - cu_q_lens[seq] == 1)[:, None, None]
         # The prefill kernel first: its step list is the longer, so an SMEM refusal names its count.
-        prefill = attend(default_blocks(groups, page_size, pages_per_seq), "prefill")
-        out = jnp.where(single, attend(decode_blocks(groups, page_size, pages_per_seq), "decode"), prefill)
+        prefill = attend(tuning.prefill_blocks(*table), "prefill")
+        out = jnp.where(single, attend(tuning.decode_blocks(*table), "decode"), prefill)
         out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
     valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, page_indices.shape[1] * page_size)
     return jnp.where(valid, out, jnp.nan)

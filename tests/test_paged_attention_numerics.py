@@ -7,7 +7,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 from jax.experimental.pallas import tpu as pltpu
 
-from paged_attention import ops, reference
+from paged_attention import ops, reference, tuning
 from paged_attention.kernel import BlockSizes
 
 # fp32: every product and sum in f32 (HIGHEST), so only reassociation separates the kernel
@@ -126,7 +126,8 @@ def test_default_blocks_run_decode_sequences_in_8_row_blocks(q_lens, generation)
     cu = cu.at[-1].set(cu[-2] + 5)  # the dead entry
     args = (q, k_cache, v_cache, kv_lens, page_indices, cu, live)
     call = lambda *a: ops.ragged_paged_attention(*a, generation=generation)
-    assert _kernels_rows(call, *args) == {"ragged_paged_attention_decode": 8, "ragged_paged_attention_prefill": 128}
+    prefill_rows = 4 * tuning.prefill_blocks(4, 16, page_indices.shape[1], 64, jnp.float32, generation).block_q
+    assert _kernels_rows(call, *args) == {"ragged_paged_attention_decode": 8, "ragged_paged_attention_prefill": prefill_rows}
     out = call(*args)
     expected = reference.ragged_paged_attention(*args)
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
@@ -324,7 +325,8 @@ def test_megacore_parts_write_disjoint_blocks(only):
 
     args, _ = _inputs(ONE_DECODE_CASE, jnp.float32)
     _, _, _, kv_lens, page_indices, cu, live = args
-    blocks = ops.decode_blocks(4, 16, 4) if only == "decode" else ops.default_blocks(4, 16, 4)
+    choose = tuning.decode_blocks if only == "decode" else tuning.prefill_blocks
+    blocks = choose(4, 16, 4, 64, jnp.float32, "v5p")
     num_tokens = -(-int(cu[-1]) // blocks.block_q) * blocks.block_q
     schedule = ops.make_schedule(cu, kv_lens, jnp.int32(live), num_tokens, blocks.block_q,
                                  blocks.pages_per_block * 16, 1, None, parts=2, only=only)

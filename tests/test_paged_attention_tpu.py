@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import pytest
 import tpu_compile
 
-from paged_attention import ops
+from paged_attention import ops, tuning
 from paged_attention._shared.generations import GENERATIONS
+from paged_attention.kernel import BlockSizes
 
 SERVING = dict(tokens=1024, seqs=256, context=32768)
 
@@ -31,11 +32,16 @@ CASES = SAMPLE + (MORE if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-page{c[4]}-{jnp.dtype(c[5]).name}")
 def test_attention_compiles(case):
-    generation, hq, hkv, d, page_size, cache_dtype, options = case
+    _compile_serving_step(*case)
+
+
+def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, options):
+    """The default path (the tuning's blocks for this call) compiled at SERVING, within VMEM."""
     options = dict(options)
     has_sinks = options.pop("sinks", False)
     if options.pop("prefill_only", False):
-        options["blocks"] = ops.default_blocks(hq // hkv, page_size, SERVING["context"] // page_size)
+        options["blocks"] = tuning.prefill_blocks(hq // hkv, page_size, SERVING["context"] // page_size, d,
+                                                  cache_dtype, generation)
     quantized = cache_dtype in (jnp.float8_e4m3fn, jnp.int8)
 
     def attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks):
@@ -51,9 +57,32 @@ def test_attention_compiles(case):
              ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
              ((hq,), jnp.float32)]
     report = tpu_compile.compile_for(attend, specs, generation, "ragged_paged_attention")
-    assert report.kernels
+    assert len(report.kernels) == (1 if "blocks" in options else 2), report.kernels
     for kernel in report.kernels.values():
         assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
+
+
+TUNED_ENTRIES = [(g, key) for g, by_key in tuning.TUNED.items() for key in by_key]
+
+
+@pytest.mark.parametrize("generation,key", TUNED_ENTRIES)
+def test_tuned_entries_fit_smem_at_serving_limits(generation, key):
+    """Every entry's two kernels keep their step lists within SMEM at SERVING (8 KV heads, G = 4;
+    the compiles below and the sample above prove the bound against libtpu)."""
+    d, page_size, dtype = key
+    pages_per_seq = SERVING["context"] // page_size
+    for only, choose in (("decode", tuning.decode_blocks), ("prefill", tuning.prefill_blocks)):
+        blocks = choose(4, page_size, pages_per_seq, d, dtype, generation)
+        chunks = -(-pages_per_seq // blocks.pages_per_block)
+        ops.check_step_list_fits_smem(-(-SERVING["tokens"] // blocks.block_q), SERVING["seqs"], chunks,
+                                      blocks.pages_per_block, only)
+
+
+@pytest.mark.parametrize("generation,key", TUNED_ENTRIES if os.environ.get("PAGED_CHECK_ALL_TUNED") == "1" else [])
+def test_tuned_entry_compiles_at_serving_limits(generation, key):
+    """`make check-tuned`: every entry, both kernels, compiled by libtpu for its generation at SERVING."""
+    d, page_size, dtype = key
+    _compile_serving_step(generation, 32, 8, d, page_size, jnp.dtype(dtype), {})
 
 
 @pytest.mark.parametrize("generation,cache_dtype", [("v6e", jnp.bfloat16), ("v5e", jnp.float8_e4m3fn)])
@@ -74,15 +103,15 @@ def test_cache_write_compiles_in_place(generation, cache_dtype):
 
 
 def test_a_step_list_past_smem_is_refused_before_compiling():
-    """The serving shape at 32k context fits SMEM (the compiles above); at 128k its step list does
-    not (libtpu: "Used 1.13M of 1.00M smem"): a ValueError says so, and what to change, before
-    any compile."""
+    """The serving shape at 32k context fits SMEM (the compiles above); at 128k, with 128-row query
+    blocks and 512 keys per chunk, its step list does not (libtpu: "Used 1.13M of 1.00M smem"): a
+    ValueError says so, and what to change, before any compile."""
     def call(context):
         pages_per_seq = context // 16
         spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)
         cache = spec((4096, 16, 8, 128), jnp.bfloat16)
         return jax.eval_shape(
-            lambda *a: ops.ragged_paged_attention(*a, generation="v6e", interpret=False),
+            lambda *a: ops.ragged_paged_attention(*a, blocks=BlockSizes(32, 32), generation="v6e", interpret=False),
             spec((SERVING["tokens"], 32, 128), jnp.bfloat16), cache, cache, spec((SERVING["seqs"],)),
             spec((SERVING["seqs"], pages_per_seq)), spec((SERVING["seqs"] + 1,)), spec(()))
 

@@ -107,7 +107,8 @@ def _assert_training_kernels_fit(report, generation):
         assert kernel_report.vmem_bytes <= GENERATIONS[generation].vmem_bytes, (name, kernel_report)
 
 
-# `make test` compiles a sample: each generation's training step at prefill (all three kernels),
+# `make test` compiles a sample: the training step at prefill (all three kernels) on v5p (64 MiB
+# of VMEM, the least with tpu7x; every generation's largest tuned forward is in test_tuned_blocks),
 # a decode forward and gpt-oss's layout on one generation; `make check-compile`
 # (CHECK_ALL_COMPILES=1) every case.
 ALL_COMPILES = os.environ.get("CHECK_ALL_COMPILES") == "1"
@@ -146,7 +147,7 @@ def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
 
 
 @pytest.mark.parametrize("generation,tokens",
-                         _cases(EVERY_GENERATION_AND_SIZE, [(g, 8192) for g in sorted(GENERATIONS)]))
+                         _cases(EVERY_GENERATION_AND_SIZE, [("v5p", 8192)]))
 def test_experts_backward_compiles_and_fits_vmem(generation, tokens):
     """The training step's kernels: forward, activations' gradient (the same
     kernel, layout flipped) and weights' gradient, all compiled together."""

@@ -1,8 +1,8 @@
 """The shipped tuning tables: every entry is looked up by a real model, fits
 its generation's VMEM, and compiles there.
 
-CI compiles a sample (per generation, the forward and the weights' gradient
-entry with the largest buffers); `make check-tuned` compiles every entry.
+CI compiles a sample (per generation, one of the entries with the largest
+buffers, see `sample`); `make check-tuned` compiles every entry.
 """
 
 import os
@@ -29,14 +29,21 @@ def entries():
 
 
 def sample():
-    """Per generation, the entry with the largest buffers (of either kind: the test suite's
-    compile of each generation's training step covers both kinds at prefill)."""
-    biggest = {}
+    """Per generation, an entry with the largest buffers (of either kind: the test suite's
+    compile of each generation's training step covers both kinds at prefill). Among entries
+    within 2% of the largest, a forward with one K step: a K loop over big blocks adds minutes
+    to the compile and no VMEM that the budget does not count."""
+    by_gen = {}
     for kind, gen, key, blocks in entries():
-        need = KINDS[kind][1](blocks, key[-1])
-        if need > biggest.get(gen, (0,))[0]:
-            biggest[gen] = (need, kind, key, blocks)
-    return [(kind, gen, key, blocks) for gen, (_, kind, key, blocks) in sorted(biggest.items())]
+        by_gen.setdefault(gen, []).append((KINDS[kind][1](blocks, key[-1]), kind, key, blocks))
+    picked = []
+    for gen, rows in sorted(by_gen.items()):
+        largest = max(need for need, *_ in rows)
+        near = [row for row in rows if row[0] >= 0.98 * largest]
+        one_k_step = [row for row in near if row[1] == "forward" and row[3].block_k >= row[2][1]]
+        _, kind, key, blocks = max(one_k_step or near, key=lambda row: row[0])
+        picked.append((kind, gen, key, blocks))
+    return picked
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
@@ -124,16 +131,13 @@ def test_tuning_rates_candidates_with_the_bench_model(tmp_path, monkeypatch):
     _, table, key = tune.call_fn(call, shape.experts, "v6e")
     kind, a_shape, b_shape, transpose_rhs = call
     # The bench's whole path for the winner: walk, compile, schedule model (plus the row padding copy).
-    table["v6e"][key] = kernel.BlockSizes(*record["blocks"])
-    try:
-        fn = tune.fresh(tune.call_fn(call, shape.experts, "v6e")[0])
-        args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
-                jnp.asarray(bench.routing(shape, 4)))
-        (cost,), copies = grid_walk.kernel_costs_and_copies(fn, args, 256)
-        report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], "v6e", "ragged_dot_tpu")
-        kernel_us = bench.schedule_model([cost], report)["kernel_us"]
-    finally:
-        del table["v6e"][key]
+    monkeypatch.setitem(table["v6e"], key, kernel.BlockSizes(*record["blocks"]))  # the shipped entry, restored after
+    fn = tune.fresh(tune.call_fn(call, shape.experts, "v6e")[0])
+    args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
+            jnp.asarray(bench.routing(shape, 4)))
+    (cost,), copies = grid_walk.kernel_costs_and_copies(fn, args, 256)
+    report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], "v6e", "ragged_dot_tpu")
+    kernel_us = bench.schedule_model([cost], report)["kernel_us"]
     assert record["modeled_us"] == pytest.approx(kernel_us + copies / GENERATIONS["v6e"].hbm_bytes_per_s * 1e6, rel=1e-3)
 
 
