@@ -1,7 +1,8 @@
 """Benchmarks paged attention (`make bench-paged`), modeled on this CPU machine.
 
 For each attention shape, serving batch (decode-only, or decode mixed with
-chunked prefill) and TPU generation, it reports for our kernel:
+chunked prefill), TPU generation and cache dtype (bf16, fp8), it reports
+for our kernel:
 
 - whether libtpu compiles it for that generation, and its VMEM;
 - the HBM bytes its grid moves (block-spec'd operands from the grid walk,
@@ -175,7 +176,7 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
         return dict(error=str(err).splitlines()[0][:200])
     held = held_bytes(shape, batch, routing, jnp.dtype(cache_dtype).itemsize)
     hbm = sum(c.hbm_bytes for c in costs)
-    return dict(compiles=True, tiling=" + ".join(tilings),
+    return dict(compiles=True, tiling=" + ".join(tilings), page_copy_bytes=sum(c.bytes_by_operand["page copies"] for c in costs),
                 vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
                 modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, compute_us=parts["compute"] * 1e6,
                 dma_us=parts["dma"] * 1e6, around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
@@ -198,6 +199,29 @@ def eqn_name(eqn) -> str:
     return eqn.params.get("name") or str(eqn.params.get("metadata", ""))
 
 
+DECODE_BYTES_GOAL = 1.05  # HBM bytes over the K/V held plus q and out, on decode batches
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """The goals this bench can read without anchors: decode's HBM bytes against what the
+    sequences hold, and an fp8 cache's page copies against a bf16 one's on the same batch."""
+    ok = [r for r in rows if "error" not in r]
+    decode = [r for r in ok if r["batch"].startswith("decode")]
+    lines = ["## Goals", ""]
+    if decode:
+        worst = max(decode, key=lambda r: r["hbm_vs_held"])
+        verdict = "met" if worst["hbm_vs_held"] <= DECODE_BYTES_GOAL else "NOT met"
+        lines.append(f"- Decode HBM bytes at most {DECODE_BYTES_GOAL}x held: {verdict} (worst {worst['hbm_vs_held']:.3f}, "
+                     f"{worst['model']}, {worst['batch']}, {worst['generation']}, {worst['cache']}).")
+    key = lambda r: (r["model"], r["batch"], r["generation"])
+    bf16 = {key(r): r for r in ok if r["cache"] == "bfloat16"}
+    ratios = [r["page_copy_bytes"] / bf16[key(r)]["page_copy_bytes"] for r in ok
+              if r["cache"] == "float8_e4m3fn" and key(r) in bf16]
+    if ratios:
+        lines.append(f"- fp8 cache's page copies against bf16's on the same batch: {min(ratios):.3f} to {max(ratios):.3f}x.")
+    return lines
+
+
 def write_markdown(rows: list[dict], path: Path) -> None:
     lines = [
         "# paged_attention: modeled performance (NOT measured on a TPU)",
@@ -205,18 +229,21 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "Modeled time is read from our compiled kernels (bench/pipeline.py): libtpu's final bundles give",
         "each grid step's issue cycles; the bytes each step waits for are its block-spec'd operands (grid",
         "walk) and the pages it copies itself (its step list). `floor`: the K/V the sequences hold plus q",
-        "and out, at full HBM bandwidth; `HBM / held`: bytes moved over those. bf16 caches, 16-token pages.",
+        "and out, at full HBM bandwidth; `HBM / held`: bytes moved over those. 16-token pages; q in bf16.",
         "No anchor yet (see the card).",
         "",
-        "| model | batch | gen | blocks | VMEM MiB | grid steps | HBM / held | compute us | DMA us | around us "
+        *goal_lines(rows),
+        "",
+        "| model | batch | gen | cache | blocks | VMEM MiB | grid steps | HBM / held | compute us | DMA us | around us "
         "| modeled us | floor us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['cache']} | {r['error']} |" + " |" * 8)
             continue
-        lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['tiling']} | {r['vmem_used'] / 2**20:.1f} "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['cache']} | {r['tiling']} "
+                     f"| {r['vmem_used'] / 2**20:.1f} "
                      f"| {r['grid_steps']} | {r['hbm_vs_held']:.3f} | {r['compute_us']:.0f} | {r['dma_us']:.0f} "
                      f"| {r['around_us']:.0f} | {r['modeled_us']:.0f} | {r['floor_us']:.0f} |")
     path.write_text("\n".join(lines) + "\n")
@@ -227,6 +254,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=[s.model for s in SHAPES])
     parser.add_argument("--batches", nargs="*", default=[b.name for b in BATCHES])
     parser.add_argument("--generations", nargs="*", default=list(BENCH_GENERATIONS), choices=list(GENERATIONS))
+    parser.add_argument("--caches", nargs="*", default=["bfloat16", "float8_e4m3fn"], help="cache dtypes")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
     rows = []
@@ -235,14 +263,15 @@ def main(argv=None) -> int:
     for shape in (s for s in SHAPES if s.model in args.models):
         for batch in (b for b in BATCHES if b.name in args.batches):
             for generation in args.generations:
-                row = dict(model=shape.model, batch=batch.name, generation=generation, impl="ours",
-                           **measure(shape, batch, generation))
-                print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation}: "
-                      f"{row.get('modeled_us', row.get('error'))}", flush=True)
-                rows.append(row)
-                # Rewritten after every row, so a long run interrupted still leaves a table.
-                (args.out / "paged_attention.json").write_text(json.dumps(rows, indent=1))
-                write_markdown(rows, args.out / "paged_attention.md")
+                for cache in args.caches:
+                    row = dict(model=shape.model, batch=batch.name, generation=generation, cache=cache, impl="ours",
+                               **measure(shape, batch, generation, jnp.dtype(cache)))
+                    print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation} {cache}: "
+                          f"{row.get('modeled_us', row.get('error'))}", flush=True)
+                    rows.append(row)
+                    # Rewritten after every row, so a long run interrupted still leaves a table.
+                    (args.out / "paged_attention.json").write_text(json.dumps(rows, indent=1))
+                    write_markdown(rows, args.out / "paged_attention.md")
     print(f"wrote {args.out / 'paged_attention.md'}: MODELED figures, not TPU measurements")
     return 0
 
