@@ -11,7 +11,9 @@ for our kernel:
   actually hold plus q and out;
 - a modeled time read from the compiled kernel's own schedule and those
   bytes, combined as the pipeline runs them (bench/pipeline.py), plus the
-  XLA ops around it (the step list, the layout changes).
+  XLA ops around it (the step list, the layout changes);
+- the same for the anchor, transformers' own path (the context gathered
+  out of the pages, then flash-attn-tpu's varlen kernel).
 
 These are MODELED figures, not TPU measurements. Writes
 bench/results/paged_attention.md and .json.
@@ -46,6 +48,7 @@ import pipeline  # noqa: E402
 from runtime.generations import GENERATIONS, pipeline_seconds  # noqa: E402
 
 KERNEL_NAME = "ragged_paged_attention"
+TRANSFORMERS = "transformers (gather + flash)"
 
 
 SHAPES = [
@@ -185,6 +188,67 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
                 floor_us=(held["kv"] + held["q_out"]) / gen.hbm_bytes_per_s * 1e6)
 
 
+def context_rows(shape: AttentionShape, batch: Batch, routing: dict) -> np.ndarray:
+    """The cache rows transformers' path gathers: each sequence's context in order (under a
+    window, only the keys its new tokens can see), as rows of the cache seen as [pages x
+    page_size, Hkv, D]."""
+    window = shape.kwargs.get("sliding_window")
+    q_lens = np.diff(routing["cu_q_lens"])
+    rows = []
+    for s, kv_len in enumerate(routing["kv_lens"]):
+        first = max(0, kv_len - (window + q_lens[s] - 1)) if window else 0
+        positions = np.arange(first, kv_len)
+        rows.append(routing["page_indices"][s, positions // batch.page_size] * batch.page_size
+                    + positions % batch.page_size)
+    return np.concatenate(rows).astype(np.int32)
+
+
+def measure_transformers_path(shape: AttentionShape, batch: Batch, generation: str) -> dict:
+    """The anchor: transformers 5.22's continuous batching off CUDA. It gathers every sequence's
+    context out of the paged cache (`index_select`), then calls a varlen flash attention: ours,
+    flash-attn-tpu, the one TPU varlen kernel on the Hub, with its tuned blocks. Its cache is in
+    the model's dtype (bf16), so there is no fp8 row. (Its cache write is left out, as ours is.)"""
+    from flash_attention import ops as flash_ops
+
+    gen = GENERATIONS[generation]
+    routing = batch.routing()
+    rows = context_rows(shape, batch, routing)
+    q_lens = np.diff(routing["cu_q_lens"])
+    kept = np.minimum(routing["kv_lens"], shape.kwargs["sliding_window"] + q_lens - 1) \
+        if "sliding_window" in shape.kwargs else routing["kv_lens"]
+    cu_k = np.concatenate([[0], np.cumsum(kept)]).astype(np.int32)
+    options = shape.kwargs
+    window = options.pop("sliding_window", None)
+    has_sinks = options.pop("sinks", False)
+    cache = ((routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim), jnp.bfloat16)
+
+    def fn(q, k_cache, v_cache, sinks, rows, cu_q, cu_k):
+        gather = lambda c: jnp.take(c.reshape(-1, shape.kv_heads, shape.head_dim), rows, axis=0)
+        return flash_ops.flash_attention_varlen(
+            q, gather(k_cache), gather(v_cache), cu_q, cu_k, causal=True,
+            window_size=(window - 1, window - 1) if window else (-1, -1), sinks=sinks if has_sinks else None,
+            generation=generation, interpret=False, **options)
+
+    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16), cache, cache, ((shape.q_heads,), jnp.float32)]
+    index = [rows, routing["cu_q_lens"], cu_k]
+    try:
+        args = [jax.ShapeDtypeStruct(s, t) for s, t in data] + [jnp.asarray(a) for a in index]
+        costs = grid_walk.kernel_costs(fn, args, gen.mxu_width)
+        report = tpu_compile.compile_for(fn, data + [(a.shape, jnp.int32) for a in index], generation,
+                                         "flash_attention")
+        parts = pipeline.program_seconds(costs, report.schedules, generation)
+    except Exception as err:  # noqa: BLE001  (a row says what failed)
+        return dict(error=str(err).splitlines()[0][:200])
+    held = held_bytes(shape, batch, routing, 2)
+    hbm = sum(c.hbm_bytes for c in costs)
+    return dict(compiles=True, tiling="gather + flash-attn-tpu", vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
+                modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, compute_us=parts["compute"] * 1e6,
+                dma_us=parts["dma"] * 1e6, around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
+                grid_steps=sum(int(c.grid_steps) for c in costs), hbm_bytes=hbm, kv_held_bytes=held["kv"],
+                hbm_vs_held=hbm / (held["kv"] + held["q_out"]),
+                floor_us=(held["kv"] + held["q_out"]) / gen.hbm_bytes_per_s * 1e6)
+
+
 def _blocks_of(eqn, shape: AttentionShape):
     """A kernel's BlockSizes, read from its pallas_call: query rows per block over G, pages per chunk."""
     from paged_attention.kernel import BlockSizes
@@ -205,7 +269,7 @@ DECODE_BYTES_GOAL = 1.05  # HBM bytes over the K/V held plus q and out, on decod
 def goal_lines(rows: list[dict]) -> list[str]:
     """The goals this bench can read without anchors: decode's HBM bytes against what the
     sequences hold, and an fp8 cache's page copies against a bf16 one's on the same batch."""
-    ok = [r for r in rows if "error" not in r]
+    ok = [r for r in rows if "error" not in r and r["impl"] == "ours"]
     decode = [r for r in ok if r["batch"].startswith("decode")]
     lines = ["## Goals", ""]
     if decode:
@@ -219,6 +283,14 @@ def goal_lines(rows: list[dict]) -> list[str]:
               if r["cache"] == "float8_e4m3fn" and key(r) in bf16]
     if ratios:
         lines.append(f"- fp8 cache's page copies against bf16's on the same batch: {min(ratios):.3f} to {max(ratios):.3f}x.")
+    anchor = {key(r): r for r in rows if r["impl"] == TRANSFORMERS and "error" not in r}
+    versus = [(bf16[k]["modeled_us"] / a["modeled_us"], k) for k, a in anchor.items() if k in bf16]
+    if versus:
+        worst, where = max(versus)
+        lines.append(f"- Ours (bf16) against {TRANSFORMERS}: {min(versus)[0]:.2f} to {worst:.2f}x its modeled time "
+                     f"({'never slower' if worst <= 1 else 'slower on ' + ', '.join(where)}).")
+    lines.append("- No slower than jax's paged_attention, ragged_paged_attention and tpu-inference's kernel: n/a, "
+                 "those anchors are not modeled yet.")
     return lines
 
 
@@ -229,20 +301,23 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "Modeled time is read from our compiled kernels (bench/pipeline.py): libtpu's final bundles give",
         "each grid step's issue cycles; the bytes each step waits for are its block-spec'd operands (grid",
         "walk) and the pages it copies itself (its step list). `floor`: the K/V the sequences hold plus q",
-        "and out, at full HBM bandwidth; `HBM / held`: bytes moved over those. 16-token pages; q in bf16.",
-        "No anchor yet (see the card).",
+        "and out, at full HBM bandwidth; `HBM / held`: bytes moved over those (kernels only; XLA's ops are",
+        "in `around`). 16-token pages; q in bf16. The anchor: transformers' continuous batching off CUDA,",
+        "which gathers each sequence's context out of the pages, then runs a varlen flash attention (ours,",
+        "flash-attn-tpu, with its tuned blocks).",
         "",
         *goal_lines(rows),
         "",
-        "| model | batch | gen | cache | blocks | VMEM MiB | grid steps | HBM / held | compute us | DMA us | around us "
-        "| modeled us | floor us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | batch | gen | impl | cache | blocks | VMEM MiB | grid steps | HBM / held | compute us | DMA us "
+        "| around us | modeled us | floor us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['cache']} | {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['impl']} | {r['cache']} | {r['error']} |"
+                         + " |" * 8)
             continue
-        lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['cache']} | {r['tiling']} "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['generation']} | {r['impl']} | {r['cache']} | {r['tiling']} "
                      f"| {r['vmem_used'] / 2**20:.1f} "
                      f"| {r['grid_steps']} | {r['hbm_vs_held']:.3f} | {r['compute_us']:.0f} | {r['dma_us']:.0f} "
                      f"| {r['around_us']:.0f} | {r['modeled_us']:.0f} | {r['floor_us']:.0f} |")
@@ -254,7 +329,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=[s.model for s in SHAPES])
     parser.add_argument("--batches", nargs="*", default=[b.name for b in BATCHES])
     parser.add_argument("--generations", nargs="*", default=list(BENCH_GENERATIONS), choices=list(GENERATIONS))
-    parser.add_argument("--caches", nargs="*", default=["bfloat16", "float8_e4m3fn"], help="cache dtypes")
+    parser.add_argument("--caches", nargs="*", default=["bfloat16", "float8_e4m3fn"], help="our cache dtypes")
+    parser.add_argument("--no-anchors", dest="anchors", action="store_false", help="our kernels only")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
     rows = []
@@ -263,11 +339,13 @@ def main(argv=None) -> int:
     for shape in (s for s in SHAPES if s.model in args.models):
         for batch in (b for b in BATCHES if b.name in args.batches):
             for generation in args.generations:
-                for cache in args.caches:
-                    row = dict(model=shape.model, batch=batch.name, generation=generation, cache=cache, impl="ours",
-                               **measure(shape, batch, generation, jnp.dtype(cache)))
-                    print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation} {cache}: "
-                          f"{row.get('modeled_us', row.get('error'))}", flush=True)
+                for impl, cache in [("ours", c) for c in args.caches] + [(TRANSFORMERS, "bfloat16")] * args.anchors:
+                    figures = (measure(shape, batch, generation, jnp.dtype(cache)) if impl == "ours"
+                               else measure_transformers_path(shape, batch, generation))
+                    row = dict(model=shape.model, batch=batch.name, generation=generation, cache=cache, impl=impl,
+                               **figures)
+                    print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation} {impl} "
+                          f"{cache}: {row.get('modeled_us', row.get('error'))}", flush=True)
                     rows.append(row)
                     # Rewritten after every row, so a long run interrupted still leaves a table.
                     (args.out / "paged_attention.json").write_text(json.dumps(rows, indent=1))
