@@ -125,9 +125,10 @@ def page_copy_bytes(cost, prefetch: dict, blocks, page_size: int, page_bytes: in
     count = prefetch["part_count"][part]
     g = prefetch["part_first"][part] + np.clip(i, 0, np.maximum(count - 1, 0))
     runs = (i < count) & (prefetch["works"][g] == 1)
-    pages = np.asarray(kernel.chunk_pages(prefetch["kv_lens"][prefetch["seq"][g]], prefetch["chunk"][g],
-                                          blocks.pages_per_block, page_size))
-    return np.where(runs, pages, 0).astype(np.int64) * page_bytes
+    seq = prefetch["seq"][g]
+    first, end = (np.asarray(x) for x in kernel.chunk_pages(prefetch["kv_lens"][seq], prefetch["seq_lo"][seq],
+                                                            prefetch["chunk"][g], blocks.pages_per_block, page_size))
+    return np.where(runs, end - np.minimum(first, end), 0).astype(np.int64) * page_bytes
 
 
 def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blocks=None):
@@ -163,8 +164,8 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
         costs, tilings = [], []
         for eqn, invals in grid_walk.pallas_calls(fn, *args):
             cost = grid_walk.analyze_call(eqn, invals, gen.mxu_width)
-            prefetch = dict(zip(("part_first", "part_count", "block", "seq", "chunk", "works", "kv_lens"),
-                                (np.asarray(v) for v in invals[1:8])))
+            prefetch = dict(zip(("part_first", "part_count", "block", "seq", "chunk", "works", "kv_lens", "seq_lo"),
+                                (np.asarray(v) for v in invals[1:9])))
             kernel_blocks = _blocks_of(eqn, shape)
             pages = page_copy_bytes(cost, prefetch, kernel_blocks, batch.page_size, page_bytes)
             cost.fetch_bytes = cost.fetch_bytes + pages

@@ -62,9 +62,13 @@ class Options:
     key_stride: int  # the stride of the global key positions: the sequences' chunks span it
 
 
-def chunk_pages(kv_len, chunk, pages_per_block: int, page_size: int):
-    """Pages of a sequence's chunk a step copies: those holding its tokens (none past kv_len)."""
-    return jnp.clip(pl.cdiv(kv_len - chunk * pages_per_block * page_size, page_size), 0, pages_per_block)
+def chunk_pages(kv_len, seq_lo, chunk, pages_per_block: int, page_size: int):
+    """(first, end): the pages of a sequence's chunk a step copies, first <= page < end: those
+    holding keys its new tokens can see (none past kv_len, none before seq_lo, where a sliding
+    window starts for its first new token)."""
+    chunk_start = chunk * pages_per_block * page_size
+    first = jnp.clip((seq_lo - chunk_start) // page_size, 0, pages_per_block)
+    return first, jnp.clip(pl.cdiv(kv_len - chunk_start, page_size), 0, pages_per_block)
 
 
 def _global_step(part, i, part_first, part_count):
@@ -80,7 +84,7 @@ def query_block(part, i, part_first, part_count, step_block, spare: int):
     return jnp.where(part_count[part] == 0, spare, step_block[_global_step(part, i, part_first, part_count)[0]])
 
 
-def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works, kv_lens,  # scalar prefetch
+def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works, kv_lens, seq_lo,  # scalar prefetch
             pages_now, pages_next, q_ref, lo_ref, hi_ref, sink_ref, k_hbm, v_hbm,  # inputs
             o_ref,  # output
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
@@ -94,12 +98,13 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     slot = i % 2
 
     def copies(step, pages, into):
-        """The chunk's page copies, each with whether it runs (pages past the sequence's length do not)."""
-        pages_used = chunk_pages(kv_lens[step_seq[step]], step_chunk[step], ppb, page_size)
+        """The chunk's page copies, each with whether it runs (pages no new token sees do not)."""
+        seq = step_seq[step]
+        first, end = chunk_pages(kv_lens[seq], seq_lo[seq], step_chunk[step], ppb, page_size)
         # A page index out of range is never copied (ops reports it: the output is NaN).
         in_range = lambda page: (page >= 0) & (page < k_hbm.shape[0])
         rows = page_size * hkv
-        return [((p < pages_used) & in_range(pages[0, p]),
+        return [((p >= first) & (p < end) & in_range(pages[0, p]),
                  pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, pl.ds(p * rows, rows)], sems.at[kind, into]))
                 for p in range(ppb) for kind, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
 
@@ -141,9 +146,12 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         first_key = seq * opts.key_stride + first
         cols = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], chunk), 1)
         visible = (cols >= lanes(lo_cols[...] - first_key, chunk)) & (cols <= lanes(hi_cols[...] - first_key, chunk))
-        # Rows of pages past the sequence's length hold whatever the cache (or an earlier chunk) left:
-        # their scores are masked, and their values zeroed so that 0 * garbage cannot be NaN.
-        stored = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_lens[seq] - first
+        # Rows of pages not copied (past the sequence's length, before its window) hold whatever the
+        # cache (or an earlier chunk) left: their scores are masked, and their values zeroed so that
+        # 0 * garbage cannot be NaN.
+        page_first, _ = chunk_pages(kv_lens[seq], seq_lo[seq], step_chunk[g], ppb, page_size)
+        key = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+        stored = (key >= page_first * page_size) & (key < kv_lens[seq] - first)
         for h in range(hkv):  # the KV heads: a page holds them all, head-minor
             q = q_ref[h]
             # Head h's keys are every hkv-th row of the chunk: one strided load, no relayout.
@@ -173,13 +181,14 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             o_ref[h] = jnp.where(lanes(seen, width), acc_ref[h] / lanes(l, width), 0.0).astype(o_ref.dtype)
 
 
-def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, row_hi, sink_rows, schedule, *,
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, row_lo, row_hi, sink_rows, schedule, *,
                            opts: Options, blocks: BlockSizes, interpret, name="ragged_paged_attention"):
     """o [Hkv, T*G, Dv] in q's dtype; blocks no step covers hold whatever VMEM held.
 
     q [Hkv, T*G, D] (T a multiple of block_q, its last block a spare no step covers: a part with no
     step of its own idles there); k_cache [pages, page_size, Hkv, D],
-    v_cache [.., Dv]; kv_lens [S] int32; page_chunks [S, chunks, 1, pages_per_block] int32
+    v_cache [.., Dv]; kv_lens [S] int32; seq_lo [S] int32: the first position a sequence's new
+    tokens see (0 without a sliding window); page_chunks [S, chunks, 1, pages_per_block] int32
     (a sequence's page table cut in chunks); row_lo, row_hi [T*G, 1] int32 (global key
     positions); sink_rows [Hkv, block_q*G, 1] f32; schedule: `ops.make_schedule`'s step arrays.
     """
@@ -213,7 +222,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
         functools.partial(_kernel, opts=opts, blocks=blocks),
         out_shape=jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=7,
+            num_scalar_prefetch=8,
             grid=(parts, jnp.maximum(jnp.max(schedule.part_count), 1)),
             in_specs=[
                 smem_chunk(chunk_now),
@@ -242,7 +251,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_chunks, row_lo, ro
         interpret=interpret,
         name=name,
     )(schedule.part_first, schedule.part_count, schedule.block, schedule.seq, schedule.chunk, schedule.works,
-      kv_lens, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_pages, v_pages)
+      kv_lens, seq_lo, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_pages, v_pages)
 
 
 # ---------------------------------------------------------------- cache write

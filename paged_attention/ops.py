@@ -115,10 +115,10 @@ def step_capacity(num_blocks: int, max_seqs: int, num_chunks: int, only: str | N
 
 
 def smem_bytes(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int, only: str | None) -> int:
-    """The step arrays (`make_schedule`: four int32 per possible step), kv_lens and each step's two
-    page-table rows, scalar-prefetched into SMEM. (libtpu counted 1157 KiB for a call this counts
-    as 1154 KiB.)"""
-    return 4 * (4 * step_capacity(num_blocks, max_seqs, num_chunks, only) + max_seqs + 4 + 4 * pages_per_block)
+    """The step arrays (`make_schedule`: four int32 per possible step), kv_lens, the window starts
+    and each step's two page-table rows, scalar-prefetched into SMEM. (libtpu counted 1157 KiB for
+    a call this counted as 1154 KiB, before the window starts' 1 KiB.)"""
+    return 4 * (4 * step_capacity(num_blocks, max_seqs, num_chunks, only) + 2 * max_seqs + 4 + 4 * pages_per_block)
 
 
 def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int,
@@ -145,6 +145,13 @@ def token_seqs(cu_q_lens, num_seqs, num_tokens: int):
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
     return t, seq, (t < cu_q_lens[jnp.minimum(num_seqs, max_seqs)]) & (seq < num_seqs)
+
+
+def window_starts(cu_q_lens, kv_lens, sliding_window: int | None):
+    """[S] int32: the first position each sequence's first new token sees (0 without a window)."""
+    if not sliding_window:
+        return jnp.zeros_like(kv_lens)
+    return jnp.maximum(kv_lens - (cu_q_lens[1:] - cu_q_lens[:-1]) - sliding_window + 1, 0).astype(jnp.int32)
 
 
 def token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens: int, key_stride: int, sliding_window: int | None):
@@ -278,7 +285,8 @@ def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sin
     lo, hi = token_ranges(cu_q_lens, kv_lens, num_seqs, num_tokens, key_stride, sliding_window)
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)
-    out = _kernel_call(heads_as_rows(q, groups, num_tokens), k_cache, v_cache, kv_lens, page_chunks,
+    out = _kernel_call(heads_as_rows(q, groups, num_tokens), k_cache, v_cache, kv_lens,
+                       window_starts(cu_q_lens, kv_lens, sliding_window), page_chunks,
                        jnp.repeat(lo, groups)[:, None], jnp.repeat(hi, groups)[:, None], sink_rows, schedule,
                        opts=opts, blocks=blocks, interpret=interpret,
                        name="ragged_paged_attention" + (f"_{only}" if only else ""))

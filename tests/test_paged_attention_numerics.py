@@ -226,13 +226,16 @@ def test_options_out_of_range_raise():
 # Without blocks: decode sequences in 8-row blocks beside a prefill in 128-row ones, two KV heads
 # read as strided loads.
 DEFAULT_CASE = ("gqa_default_blocks", [1, 1, 6, 0, 1], [70, 1, 90, 12, 33], 8, 2, 64, 16, None, {})
+# A window starting in the second page of the first chunk: that chunk's first page is not copied,
+# and its buffer rows are uninitialised (NaN here) when they are read.
+WINDOW_SKIP_CASE = ("window_skips_a_page", [1], [40], 2, 1, 64, 16, BlockSizes(8, 2), dict(sliding_window=10))
 
 
-@pytest.mark.parametrize("case", [CASES[1], DEFAULT_CASE], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[1], DEFAULT_CASE, WINDOW_SKIP_CASE], ids=lambda c: c[0])
 def test_kernel_passes_the_tpu_interpreter(case):
     """The TPU interpreter (race detection, DMA bounds, uninitialised memory as NaN) over a mixed
-    batch with a window and sinks, and over the default blocks' two kernels: the copies of one
-    chunk overlap the compute of the previous."""
+    batch with a window and sinks, over the default blocks' two kernels, and over a page skipped
+    before a window: the copies of one chunk overlap the compute of the previous."""
     args, options = _inputs(case, jnp.float32)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
     out = ops.ragged_paged_attention(*args, blocks=case[7], interpret=params, **options)
