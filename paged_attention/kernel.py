@@ -60,14 +60,15 @@ class Options:
     v_scale: float  # 1: none
     page_size: int
     key_stride: int  # the stride of the global key positions: the sequences' chunks span it
+    windowed: bool  # a sliding window: pages before a sequence's window start are not copied
 
 
 def chunk_pages(kv_len, seq_lo, chunk, pages_per_block: int, page_size: int):
     """(first, end): the pages of a sequence's chunk a step copies, first <= page < end: those
     holding keys its new tokens can see (none past kv_len, none before seq_lo, where a sliding
-    window starts for its first new token)."""
+    window starts for its first new token; seq_lo None: no window, first is 0)."""
     chunk_start = chunk * pages_per_block * page_size
-    first = jnp.clip((seq_lo - chunk_start) // page_size, 0, pages_per_block)
+    first = 0 if seq_lo is None else jnp.clip((seq_lo - chunk_start) // page_size, 0, pages_per_block)
     return first, jnp.clip(pl.cdiv(kv_len - chunk_start, page_size), 0, pages_per_block)
 
 
@@ -96,15 +97,18 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     chunk = ppb * page_size
     hkv = q_ref.shape[0]
     slot = i % 2
+    window_start = lambda seq: seq_lo[seq] if opts.windowed else None
 
     def copies(step, pages, into):
         """The chunk's page copies, each with whether it runs (pages no new token sees do not)."""
         seq = step_seq[step]
-        first, end = chunk_pages(kv_lens[seq], seq_lo[seq], step_chunk[step], ppb, page_size)
-        # A page index out of range is never copied (ops reports it: the output is NaN).
-        in_range = lambda page: (page >= 0) & (page < k_hbm.shape[0])
+        first, end = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[step], ppb, page_size)
+        # A page index out of range is never copied (ops reports it: the output is NaN). Without a
+        # window, no compare with first (0): a decode step's scalar work bounds its time.
+        seen = lambda p: (p >= first) & (p < end) if opts.windowed else p < end
+        runs = lambda p: seen(p) & (pages[0, p] >= 0) & (pages[0, p] < k_hbm.shape[0])
         rows = page_size * hkv
-        return [((p >= first) & (p < end) & in_range(pages[0, p]),
+        return [(runs(p),
                  pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, pl.ds(p * rows, rows)], sems.at[kind, into]))
                 for p in range(ppb) for kind, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
 
@@ -149,9 +153,11 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         # Rows of pages not copied (past the sequence's length, before its window) hold whatever the
         # cache (or an earlier chunk) left: their scores are masked, and their values zeroed so that
         # 0 * garbage cannot be NaN.
-        page_first, _ = chunk_pages(kv_lens[seq], seq_lo[seq], step_chunk[g], ppb, page_size)
+        page_first, _ = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
         key = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-        stored = (key >= page_first * page_size) & (key < kv_lens[seq] - first)
+        stored = key < kv_lens[seq] - first
+        if opts.windowed:
+            stored &= key >= page_first * page_size
         for h in range(hkv):  # the KV heads: a page holds them all, head-minor
             q = q_ref[h]
             # Head h's keys are every hkv-th row of the chunk: one strided load, no relayout.

@@ -241,7 +241,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
     options = dict(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
                    has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
-                   page_size=page_size)
+                   page_size=page_size, windowed=bool(sliding_window))
     attend = lambda blocks, only=None: _attend(
         q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sliding_window, options, blocks,
         only, generation, interpret)
