@@ -63,6 +63,12 @@ class Options:
     windowed: bool  # a sliding window: pages before a sequence's window start are not copied
 
 
+def lane_tiles(d: int) -> int:
+    """Rows a head's key of d lanes takes in the kernel's view of a page: Mosaic's strided load
+    wants rows of at most 128 lanes, so a key of 256 lanes is two rows of 128."""
+    return d // LANES if d > LANES and d % LANES == 0 else 1
+
+
 def chunk_pages(kv_len, seq_lo, chunk, pages_per_block: int, page_size: int):
     """(first, end): the pages of a sequence's chunk a step copies, first <= page < end: those
     holding keys its new tokens can see (none past kv_len, none before seq_lo, where a sliding
@@ -107,7 +113,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         # window, no compare with first (0): a decode step's scalar work bounds its time.
         seen = lambda p: (p >= first) & (p < end) if opts.windowed else p < end
         runs = lambda p: seen(p) & (pages[0, p] >= 0) & (pages[0, p] < k_hbm.shape[0])
-        rows = page_size * hkv
+        rows = k_buf.shape[1] // ppb
         return [(runs(p),
                  pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, pl.ds(p * rows, rows)], sems.at[kind, into]))
                 for p in range(ppb) for kind, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
@@ -158,13 +164,20 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         stored = key < kv_lens[seq] - first
         if opts.windowed:
             stored &= key >= page_first * page_size
+        def head_rows(buf, h):
+            """Head h's keys (or values) of the chunk: every hkv-th row, one strided load per 128
+            lanes (`lane_tiles`), no relayout. (Through .at[slot]: Mosaic refuses a dynamic index
+            beside a strided one on packed dtypes.)"""
+            n = buf.shape[1] // (chunk * hkv)
+            if hkv * n == 1:
+                return buf.at[slot][...]
+            parts = [buf.at[slot][pl.ds(h * n + j, chunk, stride=hkv * n), :] for j in range(n)]
+            return parts[0] if n == 1 else jnp.concatenate(parts, axis=1)
+
         for h in range(hkv):  # the KV heads: a page holds them all, head-minor
             q = q_ref[h]
-            # Head h's keys are every hkv-th row of the chunk: one strided load, no relayout.
-            head = pl.ds(h, chunk, stride=hkv) if hkv > 1 else pl.ds(0, chunk)
-            # (Through .at[slot]: Mosaic refuses a dynamic index beside a strided one on packed dtypes.)
-            k = k_buf.at[slot][head, :].astype(q.dtype)
-            v = jnp.where(stored, v_buf.at[slot][head, :].astype(q.dtype), 0)
+            k = head_rows(k_buf, h).astype(q.dtype)
+            v = jnp.where(stored, head_rows(v_buf, h).astype(q.dtype), 0)
             s = jnp.where(visible, scores(q, k, opts.scale, opts.softcap)[0], MASKED)
             m_prev = m_ref[h]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -205,7 +218,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
     ppb, page_size = blocks.pages_per_block, opts.page_size
     # A page as [page_size * Hkv, D] (token-major, head-minor): the same bytes (XLA adds no copy,
     # checked in libtpu's compile), so a chunk's head is a strided load of whole rows.
-    k_pages, v_pages = (c.reshape(c.shape[0], page_size * hkv, c.shape[3]) for c in (k_cache, v_cache))
+    # (A head_dim past 128 lanes as rows of 128: `lane_tiles`.)
+    k_pages, v_pages = (c.reshape(c.shape[0], page_size * hkv * lane_tiles(c.shape[3]), c.shape[3] // lane_tiles(c.shape[3]))
+                        for c in (k_cache, v_cache))
     parts = schedule.part_first.shape[0]
     last = schedule.block.shape[0] - 1
 
@@ -242,8 +257,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
             ],
             out_specs=pl.BlockSpec((hkv, rows_per_block, dv), q_block),
             scratch_shapes=[
-                pltpu.VMEM((2, ppb * page_size * hkv, d), k_cache.dtype),
-                pltpu.VMEM((2, ppb * page_size * hkv, dv), v_cache.dtype),
+                pltpu.VMEM((2, ppb * k_pages.shape[1], k_pages.shape[2]), k_cache.dtype),
+                pltpu.VMEM((2, ppb * v_pages.shape[1], v_pages.shape[2]), v_cache.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),  # (K or V, buffer)
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # m
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # l
