@@ -250,7 +250,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     else:
         # Decode sequences in 8-row blocks, the others in larger ones: two kernels over one batch,
         # each stepping through its own sequences only; a token takes its sequence's kernel's row.
-        table = (groups, page_size, page_indices.shape[1], d, k_cache.dtype, generation)
+        table = (groups, page_size, page_indices.shape[1], d, k_cache.dtype, generation, sliding_window)
         _, seq, live = token_seqs(cu_q_lens, num_seqs, t)
         single = (cu_q_lens[seq + 1] - cu_q_lens[seq] == 1)[:, None, None]
         # The prefill kernel first: its step list is the longer, so an SMEM refusal names its count.

@@ -8,7 +8,8 @@ block) and the prefill kernel's query rows come from `TUNED`
 candidates with the bench's schedule model per generation, head_dim, page
 size and cache dtype). Calls the table does not hold (another page size, an
 f32 cache, a generation not tuned yet) take the rule: 128 query rows and
-512 keys per chunk.
+512 keys per chunk. Under a sliding window, chunks hold at most about the
+window's keys.
 """
 
 from __future__ import annotations
@@ -51,21 +52,28 @@ def prefill_block_q(rows: int, groups: int) -> int:
     return max(MIN_ROWS, rows // groups)
 
 
-def _entry(generation: str, head_dim: int, page_size: int, cache_dtype) -> tuple[int, int, int]:
-    return TUNED.get(generation, {}).get(table_key(head_dim, page_size, cache_dtype), RULE)
+def _entry(generation: str, head_dim: int, page_size: int, cache_dtype, window: int | None) -> tuple[int, int, int]:
+    """(decode keys, prefill rows, prefill keys). Under a sliding window, chunks of about the
+    window's keys: a longer chunk computes keys the window masks (gpt-oss-20b's window of 128 with
+    1024-key decode chunks modeled slower than transformers' gather of the window on v6e)."""
+    decode_keys, rows, keys = TUNED.get(generation, {}).get(table_key(head_dim, page_size, cache_dtype), RULE)
+    if window:
+        span = max(page_size, 1 << (window - 1).bit_length())
+        decode_keys, keys = min(decode_keys, span), min(keys, span)
+    return decode_keys, rows, keys
 
 
 def decode_blocks(groups: int, page_size: int, pages_per_seq: int, head_dim: int, cache_dtype,
-                  generation: str) -> BlockSizes:
+                  generation: str, window: int | None = None) -> BlockSizes:
     """Decode sequences (one new token): a step computes one sequence's token against a chunk,
     so a block of the fewest rows wastes the least (128-row blocks spent 1.6x the time on
     Llama-3-8B decode at 8k on v6e, MODELED, bench/paged_bench.py)."""
-    keys, _, _ = _entry(generation, head_dim, page_size, cache_dtype)
+    keys, _, _ = _entry(generation, head_dim, page_size, cache_dtype, window)
     return BlockSizes(block_q=decode_block_q(groups), pages_per_block=_pages(keys, page_size, pages_per_seq))
 
 
 def prefill_blocks(groups: int, page_size: int, pages_per_seq: int, head_dim: int, cache_dtype,
-                   generation: str) -> BlockSizes:
+                   generation: str, window: int | None = None) -> BlockSizes:
     """Sequences with more than one new token."""
-    _, rows, keys = _entry(generation, head_dim, page_size, cache_dtype)
+    _, rows, keys = _entry(generation, head_dim, page_size, cache_dtype, window)
     return BlockSizes(block_q=prefill_block_q(rows, groups), pages_per_block=_pages(keys, page_size, pages_per_seq))
