@@ -118,12 +118,17 @@ def call_fn(call, groups, generation, dtype=jnp.bfloat16):
 @contextlib.contextmanager
 def table_entry(table, generation: str, key, blocks):
     """The tuning table holds `blocks` for `key` while the block runs: what the
-    kernels look up when traced inside it."""
+    kernels look up when traced inside it. Then the entry it held, if any, is back."""
+    missing = object()
+    held = table[generation].get(key, missing)
     table[generation][key] = blocks
     try:
         yield
     finally:
-        del table[generation][key]
+        if held is missing:
+            del table[generation][key]
+        else:
+            table[generation][key] = held
 
 
 def fresh(fn):
