@@ -38,8 +38,7 @@ KV_HEADS, GROUPS = 8, 4
 # and 128-row prefill blocks well behind these (1.2x and 1.5x the best).
 DECODE_KEYS = (512, 1024, 2048)
 PREFILL = ((256, 512), (256, 1024), (512, 1024))  # (query rows, keys)
-# The limits every entry must serve (the compile tests build them): batched tokens, sequences, context.
-LIMITS = dict(tokens=1024, seqs=256, context=32768)
+LIMITS = tuning.SERVING_LIMITS  # batched tokens, sequences, context
 RESULTS = paged_bench.BENCH / "results"
 TABLE = paged_bench.REPO / "paged_attention" / "tuned_blocks.py"
 

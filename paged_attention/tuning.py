@@ -27,6 +27,8 @@ TUNED_PAGE_SIZES = (16, 32, 64, 128, 256)
 TUNED_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8")
 RULE = (512, 128, 512)  # (decode keys, prefill query rows, prefill keys) per block
 MIN_ROWS = 8  # a block's query rows fill at least one sublane tile
+# What every entry must serve (its step lists within SMEM; `make check-tuned` compiles it there).
+SERVING_LIMITS = dict(tokens=1024, seqs=256, context=32768)
 
 
 def table_key(head_dim: int, page_size: int, cache_dtype) -> tuple[int, int, str]:

@@ -13,7 +13,7 @@ from paged_attention import ops, tuning
 from paged_attention._shared.generations import GENERATIONS
 from paged_attention.kernel import BlockSizes
 
-SERVING = dict(tokens=1024, seqs=256, context=32768)
+SERVING = tuning.SERVING_LIMITS
 
 # (generation, Hq, Hkv, D, page size, cache dtype, options): every generation at Llama-3-8B's
 # attention with 16-token pages (`make test`), then each cache dtype, page size and head dim
