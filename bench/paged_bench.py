@@ -179,9 +179,15 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
     except Exception as err:  # noqa: BLE001  (a row says what failed)
         return dict(error=str(err).splitlines()[0][:200])
     held = held_bytes(shape, batch, routing, jnp.dtype(cache_dtype).itemsize)
+    return dict(figures(costs, report, parts, held, generation), tiling=" + ".join(tilings),
+                page_copy_bytes=sum(c.bytes_by_operand["page copies"] for c in costs))
+
+
+def figures(costs, report, parts: dict, held: dict, generation: str) -> dict:
+    """A row's figures from a compiled program's walked kernels, its report and its schedule model."""
+    gen = GENERATIONS[generation]
     hbm = sum(c.hbm_bytes for c in costs)
-    return dict(compiles=True, tiling=" + ".join(tilings), page_copy_bytes=sum(c.bytes_by_operand["page copies"] for c in costs),
-                vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
+    return dict(compiles=True, vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
                 modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, compute_us=parts["compute"] * 1e6,
                 dma_us=parts["dma"] * 1e6, around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
                 grid_steps=sum(int(c.grid_steps) for c in costs), hbm_bytes=hbm, kv_held_bytes=held["kv"],
@@ -240,14 +246,8 @@ def measure_transformers_path(shape: AttentionShape, batch: Batch, generation: s
         parts = pipeline.program_seconds(costs, report.schedules, generation)
     except Exception as err:  # noqa: BLE001  (a row says what failed)
         return dict(error=str(err).splitlines()[0][:200])
-    held = held_bytes(shape, batch, routing, 2)
-    hbm = sum(c.hbm_bytes for c in costs)
-    return dict(compiles=True, tiling="gather + flash-attn-tpu", vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
-                modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, compute_us=parts["compute"] * 1e6,
-                dma_us=parts["dma"] * 1e6, around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
-                grid_steps=sum(int(c.grid_steps) for c in costs), hbm_bytes=hbm, kv_held_bytes=held["kv"],
-                hbm_vs_held=hbm / (held["kv"] + held["q_out"]),
-                floor_us=(held["kv"] + held["q_out"]) / gen.hbm_bytes_per_s * 1e6)
+    return dict(figures(costs, report, parts, held_bytes(shape, batch, routing, 2), generation),
+                tiling="gather + flash-attn-tpu")
 
 
 def _blocks_of(eqn, shape: AttentionShape):
