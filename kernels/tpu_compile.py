@@ -27,19 +27,24 @@ _DUMP_CATEGORIES = "memory-report,codegen"
 
 
 def configure_environment(dump_dir: str | None = None) -> Path:
-    """Sets libtpu's dump flags and quiets its host probing. Idempotent."""
+    """Sets libtpu's dump flags and quiets its host probing. Idempotent within a process.
+
+    Each process gets its own dump directory: a child inherits its parent's environment (pytest-xdist's
+    workers, the controller's), and two processes compiling into one directory would clear and read
+    each other's files (a test saw the other worker's `copy` op as its own)."""
     existing = os.environ.get("TPU_KERNELS_DUMP_DIR")
-    if existing:
+    if existing and os.environ.get("TPU_KERNELS_DUMP_PID") == str(os.getpid()):
         return Path(existing)
     dump = Path(dump_dir or tempfile.mkdtemp(prefix="libtpu-dump-"))
     dump.mkdir(parents=True, exist_ok=True)
     if dump_dir is None:
         atexit.register(shutil.rmtree, dump, ignore_errors=True)
     os.environ["TPU_KERNELS_DUMP_DIR"] = str(dump)
-    os.environ["LIBTPU_INIT_ARGS"] = (
-        os.environ.get("LIBTPU_INIT_ARGS", "")
-        + f" --xla_jf_dump_to={dump} --xla_jf_dump_category_filter={_DUMP_CATEGORIES}"
-    ).strip()
+    os.environ["TPU_KERNELS_DUMP_PID"] = str(os.getpid())
+    inherited = [flag for flag in os.environ.get("LIBTPU_INIT_ARGS", "").split()
+                 if not flag.startswith(("--xla_jf_dump_to=", "--xla_jf_dump_category_filter="))]
+    os.environ["LIBTPU_INIT_ARGS"] = " ".join(
+        inherited + [f"--xla_jf_dump_to={dump}", f"--xla_jf_dump_category_filter={_DUMP_CATEGORIES}"])
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Without these libtpu probes for TPU hosts and logs errors (harmless).
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-4")
@@ -89,7 +94,9 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
                 donate_argnums: tuple[int, ...] = ()) -> CompileReport:
     """Compiles `fn(*args)` for one device of `generation`.
 
-    arg_specs: (shape, dtype) per argument. Reports every Pallas kernel whose
+    arg_specs: (shape, dtype) per argument, or (shape, dtype, major_to_minor) for an argument held in
+    that layout rather than the one libtpu picks for its shape (which, for a minor dimension under
+    128 lanes, may put another dimension minor-most). Reports every Pallas kernel whose
     name contains `kernel_name`. Raises the compiler's error when it fails
     (a VMEM overflow is `RESOURCE_EXHAUSTED ... vmem`). compiler_options:
     XLA/libtpu flags for this compile only (a kernel that sets no VMEM limit
@@ -101,7 +108,10 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
     dump = configure_environment()
     device = device_for(generation)
     sharding = jax.sharding.SingleDeviceSharding(device)
-    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in arg_specs]
+    from jax.experimental.layout import Format, Layout
+
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=Format(Layout(layout[0]), sharding) if layout else sharding)
+            for shape, dtype, *layout in arg_specs]
     _clear(dump)
     start = time.perf_counter()
     try:

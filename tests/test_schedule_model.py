@@ -214,3 +214,20 @@ def test_headline_baselines_do_the_same_work():
         for shard in range(headline.CHIPS)]
     total = np.sum([np.asarray(part, np.float32) for part in shares], axis=0)
     np.testing.assert_allclose(total, want, atol=4 * 2**-8 * scale, err_msg="expert-parallel shares")
+
+
+def test_each_process_compiles_into_its_own_dump_directory():
+    """A child process inherits its parent's environment (pytest-xdist's workers, the controller's):
+    sharing one libtpu dump directory, a worker cleared and read the other's files, and a test saw
+    the other's `copy` op as its own. A child configured after its parent gets a directory of its own."""
+    import os
+    import subprocess
+    import sys
+
+    parent = tpu_compile.configure_environment()
+    code = "import tpu_compile, os; print(tpu_compile.configure_environment()); print(os.environ['LIBTPU_INIT_ARGS'])"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=os.environ | {"PYTHONPATH": os.path.dirname(tpu_compile.__file__)})
+    child_dump, child_flags = child.stdout.splitlines()
+    assert child_dump != str(parent)
+    assert f"--xla_jf_dump_to={child_dump}" in child_flags.split() and str(parent) not in child_flags
