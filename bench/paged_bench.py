@@ -101,6 +101,14 @@ BATCHES = [
 BENCH_GENERATIONS = ("v6e", "tpu7x")
 
 
+def cache_specs(shape: AttentionShape, routing: dict, batch: Batch, dtype) -> list[tuple]:
+    """K's and V's cache (shape, dtype, layout) as an engine holds them: in the layout our kernels
+    read in place (under 128 lanes, libtpu's default layout would cost a whole copy per call)."""
+    from paged_attention.ops import CACHE_MAJOR_TO_MINOR
+
+    return [((routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim), dtype, CACHE_MAJOR_TO_MINOR)] * 2
+
+
 def held_bytes(shape: AttentionShape, batch: Batch, routing: dict, cache_itemsize: int) -> dict:
     """What the step must move at least: the K and V the sequences hold (a sliding window's
     keys only), and q and out in bf16."""
@@ -153,14 +161,16 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
     decode sequences and the others in kernels of their own)."""
     gen = GENERATIONS[generation]
     routing = batch.routing()
-    cache = ((routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim), cache_dtype)
-    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16), cache, cache, ((shape.q_heads,), jnp.float32)]
+    from paged_attention import kernel
+
+    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
+            *cache_specs(shape, routing, batch, cache_dtype), ((shape.q_heads,), jnp.float32)]
     index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
     specs = data + [(np.shape(a), jnp.int32) for a in index]
     fn = ours(shape, routing, generation, cache_dtype, blocks)
-    page_bytes = batch.page_size * shape.kv_heads * shape.head_dim * 2 * jnp.dtype(cache_dtype).itemsize
+    page_bytes = 2 * kernel.page_bytes(batch.page_size, shape.kv_heads, shape.head_dim, cache_dtype)  # K and V
     try:
-        args = [jax.ShapeDtypeStruct(s, t) for s, t in data] + [jnp.asarray(a) for a in index]
+        args = [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
         costs, tilings = [], []
         for eqn, invals in grid_walk.pallas_calls(fn, *args):
             cost = grid_walk.analyze_call(eqn, invals, gen.mxu_width)
@@ -227,7 +237,6 @@ def measure_transformers_path(shape: AttentionShape, batch: Batch, generation: s
     options = shape.kwargs
     window = options.pop("sliding_window", None)
     has_sinks = options.pop("sinks", False)
-    cache = ((routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim), jnp.bfloat16)
 
     def fn(q, k_cache, v_cache, sinks, rows, cu_q, cu_k):
         gather = lambda c: jnp.take(c.reshape(-1, shape.kv_heads, shape.head_dim), rows, axis=0)
@@ -236,10 +245,11 @@ def measure_transformers_path(shape: AttentionShape, batch: Batch, generation: s
             window_size=(window - 1, window - 1) if window else (-1, -1), sinks=sinks if has_sinks else None,
             generation=generation, interpret=False, **options)
 
-    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16), cache, cache, ((shape.q_heads,), jnp.float32)]
+    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
+            *cache_specs(shape, routing, batch, jnp.bfloat16), ((shape.q_heads,), jnp.float32)]
     index = [rows, routing["cu_q_lens"], cu_k]
     try:
-        args = [jax.ShapeDtypeStruct(s, t) for s, t in data] + [jnp.asarray(a) for a in index]
+        args = [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
         costs = grid_walk.kernel_costs(fn, args, gen.mxu_width)
         report = tpu_compile.compile_for(fn, data + [(a.shape, jnp.int32) for a in index], generation,
                                          "flash_attention")

@@ -69,6 +69,7 @@ class CompileReport:
     # Every other op of the program (XLA's fusions, copies, sorts around the
     # kernel): its schedule, keyed by HLO op name.
     other_ops: dict[str, "tpu_schedule.Schedule"] = dataclasses.field(default_factory=dict)
+    hlo: str = ""  # the optimized program, with its layouts (compile_for)
 
     @property
     def schedules(self) -> dict[str, "tpu_schedule.Schedule"]:
@@ -91,7 +92,7 @@ def device_for(generation: str):
 
 
 def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_options: dict | None = None,
-                donate_argnums: tuple[int, ...] = ()) -> CompileReport:
+                donate_argnums: tuple[int, ...] = (), out_layouts: tuple | None = None) -> CompileReport:
     """Compiles `fn(*args)` for one device of `generation`.
 
     arg_specs: (shape, dtype) per argument, or (shape, dtype, major_to_minor) for an argument held in
@@ -101,7 +102,9 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
     (a VMEM overflow is `RESOURCE_EXHAUSTED ... vmem`). compiler_options:
     XLA/libtpu flags for this compile only (a kernel that sets no VMEM limit
     gets `xla_tpu_scoped_vmem_limit_kib`, as its users set it). donate_argnums: as jax.jit's
-    (an op that updates an argument in place).
+    (an op that updates an argument in place). out_layouts: a major_to_minor (or None: libtpu's
+    choice) per output of a tuple-returning fn; a donated argument is updated in place only if
+    its output keeps its layout.
     """
     import jax
 
@@ -116,14 +119,17 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
     start = time.perf_counter()
     try:
         with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
-            jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile(compiler_options=compiler_options)
+            out_shardings = None if out_layouts is None else tuple(
+                Format(Layout(layout), sharding) if layout else sharding for layout in out_layouts)
+            compiled = (jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings).lower(*args)
+                        .compile(compiler_options=compiler_options))
         seconds = time.perf_counter() - start
         capacity, kernels, other_ops = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)
     finally:
         _clear(dump)  # a compile's dump can be tens of MB: keep none of it
     if not kernels and not any(kernel_name in op for op in other_ops):  # a kernel of DMAs only has no VMEM report
         raise RuntimeError(f"libtpu's dump in {dump} has no kernel named {kernel_name!r}")
-    return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops)
+    return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops, compiled.as_text())
 
 
 def compile_on_topology(build, arg_specs, generation: str, topology: str, kernel_name: str) -> CompileReport:
@@ -150,6 +156,11 @@ def compile_on_topology(build, arg_specs, generation: str, topology: str, kernel
     if not kernels:
         raise RuntimeError(f"libtpu's dump in {dump} has no kernel named {kernel_name!r}")
     return CompileReport(generation, devices[0].device_kind, seconds, capacity, kernels, other_ops)
+
+
+def copied_shapes(hlo: str) -> list[str]:
+    """The result shapes of the program's `copy` ops (a relayout or a move), e.g. "bf16[512,16,8,64]"."""
+    return re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", hlo)
 
 
 def _clear(dump: Path) -> None:

@@ -69,6 +69,12 @@ def lane_tiles(d: int) -> int:
     return d // LANES if d > LANES and d % LANES == 0 else 1
 
 
+def page_bytes(page_size: int, hkv: int, d: int, dtype) -> int:
+    """The bytes one page copy moves: the page's rows, each padded to whole 128-lane tiles as the
+    row-major cache holds them in HBM (`ops.CACHE_MAJOR_TO_MINOR`): head_dim 64 moves 2x its keys."""
+    return page_size * hkv * -(-d // LANES) * LANES * jnp.dtype(dtype).itemsize
+
+
 def chunk_pages(kv_len, seq_lo, chunk, pages_per_block: int, page_size: int):
     """(first, end): the pages of a sequence's chunk a step copies, first <= page < end: those
     holding keys its new tokens can see (none past kv_len, none before seq_lo, where a sliding

@@ -31,6 +31,13 @@ from . import tuning
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # a row_lo no key reaches: the row sees nothing
 CACHE_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int8)
 QUERY_DTYPES = (jnp.bfloat16, jnp.float32)
+# The layout the kernels read and write the caches in, in place: row-major. XLA gives a
+# [pages, page_size, Hkv, D] array that layout when D fills 128 lanes; under 128 lanes (head_dim
+# 64) its default puts another dimension minor-most, and every call would first copy the whole
+# cache into this one. Allocate such a cache in it: jax.device_put(cache,
+# Format(Layout(CACHE_MAJOR_TO_MINOR), sharding)). A page's rows then take 128 lanes in HBM
+# (`kernel.page_bytes`), as vLLM's TPU cache pads head_dim to 128.
+CACHE_MAJOR_TO_MINOR = (0, 1, 2, 3)
 
 
 @jax.tree_util.register_dataclass

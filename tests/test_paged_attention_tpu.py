@@ -2,6 +2,7 @@
 generation, within each chip's VMEM: a serving step of 1024 new tokens over 256 sequences with
 room for 32k tokens of context each, and the cache write, in place."""
 
+import math
 import os
 
 import jax
@@ -15,16 +16,18 @@ from paged_attention.kernel import BlockSizes
 
 SERVING = tuning.SERVING_LIMITS
 
-# (generation, Hq, Hkv, D, page size, cache dtype, options): every generation at Llama-3-8B's
-# attention with 16-token pages (`make test`), then each cache dtype, page size and head dim
-# once (`make check-compile`: CHECK_ALL_COMPILES=1). Every case compiles the default path's two
-# kernels (decode and prefill blocks) but `make test`'s v5e, v5p and tpu7x, which compile the
-# prefill one: the two differ only in block rows, and each compile costs about 25 s.
-SAMPLE = [(g, 32, 8, 128, 16, jnp.bfloat16, {} if g == "v6e" else dict(prefill_only=True))
-          for g in GENERATIONS if g != "tpu7x"]
+# (generation, Hq, Hkv, D, page size, cache dtype, options): every generation once, with 16-token
+# pages (`make test`), then each cache dtype, page size and head dim once (`make check-compile`:
+# CHECK_ALL_COMPILES=1). Every case compiles the default path's two kernels (decode and prefill
+# blocks) but those marked prefill_only: the two differ only in block rows, and each compile
+# costs about 25 s.
+SAMPLE = [(g, 32, 8, 128, 16, jnp.bfloat16, {} if g == "v6e" else dict(prefill_only=True)) for g in ("v5p", "v6e")]
 # tpu7x at head_dim 256: a head's keys are two rows of 128 lanes in the kernel's view of a page.
 SAMPLE.append(("tpu7x", 16, 8, 256, 16, jnp.bfloat16, dict(prefill_only=True)))
+# v5e at head_dim 64 (gpt-oss's sliding layers), whose cache XLA would copy whole in its default layout.
+SAMPLE.append(("v5e", 64, 8, 64, 16, jnp.bfloat16, dict(prefill_only=True, sliding_window=128, sinks=True)))
 MORE = [
+    ("v5e", 32, 8, 128, 16, jnp.bfloat16, dict(prefill_only=True)),
     ("v6e", 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
     ("v5e", 64, 8, 64, 32, jnp.int8, dict(sliding_window=128, sinks=True)),
     ("tpu7x", 16, 8, 256, 256, jnp.bfloat16, dict(softcap=30.0)),
@@ -55,7 +58,7 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
 
     pages_per_seq = SERVING["context"] // page_size
     num_pages = SERVING["seqs"] * pages_per_seq // 8  # the pool a server shares among its sequences
-    cache = ((num_pages, page_size, hkv, d), cache_dtype)
+    cache = ((num_pages, page_size, hkv, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
              ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
              ((hq,), jnp.float32)]
@@ -63,6 +66,16 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
     assert len(report.kernels) == (1 if "blocks" in options else 2), report.kernels
     for kernel in report.kernels.values():
         assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
+    assert_no_cache_copy(report, cache)
+
+
+def assert_no_cache_copy(report, cache):
+    """The kernels read (or write) a cache held in ops.CACHE_MAJOR_TO_MINOR where it is: the
+    program copies no cache-sized array into another layout (head_dim 64's default layout would)."""
+    elements = lambda dims: math.prod(int(n) for n in dims if n)
+    copied = [s for s in tpu_compile.copied_shapes(report.hlo)
+              if elements(s[s.index("[") + 1:-1].split(",")) == math.prod(cache[0])]
+    assert not copied, copied
 
 
 TUNED_ENTRIES = [(g, key) for g, by_key in tuning.TUNED.items() for key in by_key]
@@ -88,21 +101,22 @@ def test_tuned_entry_compiles_at_serving_limits(generation, key):
     _compile_serving_step(generation, 32, 8, d, page_size, jnp.dtype(dtype), {})
 
 
-@pytest.mark.parametrize("generation,cache_dtype", [("v6e", jnp.bfloat16), ("v5e", jnp.float8_e4m3fn)])
-def test_cache_write_compiles_in_place(generation, cache_dtype):
-    """With the caches donated (as an engine's step does), the write kernel updates them where
-    they are: no copy of a cache in the program."""
+@pytest.mark.parametrize("generation,cache_dtype,d", [("v6e", jnp.bfloat16, 128), ("v5e", jnp.float8_e4m3fn, 64)])
+def test_cache_write_compiles_in_place(generation, cache_dtype, d):
+    """With the caches donated and kept in ops.CACHE_MAJOR_TO_MINOR (as an engine's step holds
+    them), the write kernel updates them where they are: no copy of a cache in the program."""
     scale = None if cache_dtype == jnp.bfloat16 else 0.5
 
     def write(key, value, k_cache, v_cache, slots):
         return ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, scale, scale, interpret=False)
 
-    cache = ((4096, 16, 8, 128), cache_dtype)
-    specs = [((1000, 8, 128), jnp.bfloat16), ((1000, 8, 128), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
-    report = tpu_compile.compile_for(write, specs, generation, "reshape_and_cache", donate_argnums=(2, 3))
+    cache = ((4096, 16, 8, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
+    specs = [((1000, 8, d), jnp.bfloat16), ((1000, 8, d), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
+    report = tpu_compile.compile_for(write, specs, generation, "reshape_and_cache", donate_argnums=(2, 3),
+                                     out_layouts=(ops.CACHE_MAJOR_TO_MINOR,) * 2)
     ops_compiled = list(report.schedules) + list(report.kernels)
     assert any("reshape_and_cache" in op for op in ops_compiled), ops_compiled
-    assert not any(op.startswith("copy") for op in ops_compiled), ops_compiled
+    assert_no_cache_copy(report, cache)
 
 
 def test_a_step_list_past_smem_is_refused_before_compiling():
