@@ -67,15 +67,16 @@ def region_runs(cost, schedule) -> np.ndarray | None:
     return None
 
 
-def kernel_seconds(cost, schedule, generation: str) -> dict:
+def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = None) -> dict:
     """Modeled time of one kernel (a grid_walk.KernelCost with its compiled
-    tpu_schedule.Schedule), with the parts a reader needs to see why."""
+    tpu_schedule.Schedule), with the parts a reader needs to see why.
+    child_runs: as `Schedule.step_cycles`."""
     gen = GENERATIONS[generation]
     runs = region_runs(cost, schedule)
     mapped = runs is not None
     if not mapped:  # the regions do not line up with the kernel's pl.when: count them all as running
         runs = np.ones((cost.grid_steps, len(schedule.regions)), bool)
-    compute = schedule.step_cycles(runs) / gen.clock_hz
+    compute = schedule.step_cycles(runs, child_runs) / gen.clock_hz
     core = core_of_step(cost.grid, cost.dimension_semantics, gen.cores_per_device)
     active = int(core.max()) + 1
     per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
@@ -116,11 +117,14 @@ def match_kernels(costs: list, schedules: dict) -> dict:
     return matched
 
 
-def program_seconds(costs: list, schedules: dict, generation: str) -> dict:
+def program_seconds(costs: list, schedules: dict, generation: str, child_runs=None) -> dict:
     """A whole compiled program: each walked Pallas kernel through the
-    pipeline model, every other op as `around_seconds` counts it."""
+    pipeline model, every other op as `around_seconds` counts it.
+    child_runs(cost, schedule) -> a kernel's `Schedule.step_cycles` child_runs."""
     matched = match_kernels(costs, schedules)
-    parts = [kernel_seconds(cost, schedules[matched[i]], generation) for i, cost in enumerate(costs)]
+    parts = [kernel_seconds(cost, schedules[matched[i]], generation,
+                            child_runs(cost, schedules[matched[i]]) if child_runs else None)
+             for i, cost in enumerate(costs)]
     around = around_seconds({op: s for op, s in schedules.items() if op not in matched.values()}, generation)
     kernels = sum(p["modeled"] for p in parts)
     return {

@@ -69,7 +69,7 @@ class CompileReport:
     # Every other op of the program (XLA's fusions, copies, sorts around the
     # kernel): its schedule, keyed by HLO op name.
     other_ops: dict[str, "tpu_schedule.Schedule"] = dataclasses.field(default_factory=dict)
-    hlo: str = ""  # the optimized program, with its layouts (compile_for)
+    hlo: str = ""  # the optimized program, with its layouts (compile_for's keep_hlo)
 
     @property
     def schedules(self) -> dict[str, "tpu_schedule.Schedule"]:
@@ -92,7 +92,8 @@ def device_for(generation: str):
 
 
 def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_options: dict | None = None,
-                donate_argnums: tuple[int, ...] = (), out_layouts: tuple | None = None) -> CompileReport:
+                donate_argnums: tuple[int, ...] = (), out_layouts: tuple | None = None,
+                keep_hlo: bool = False) -> CompileReport:
     """Compiles `fn(*args)` for one device of `generation`.
 
     arg_specs: (shape, dtype) per argument, or (shape, dtype, major_to_minor) for an argument held in
@@ -104,7 +105,8 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
     gets `xla_tpu_scoped_vmem_limit_kib`, as its users set it). donate_argnums: as jax.jit's
     (an op that updates an argument in place). out_layouts: a major_to_minor (or None: libtpu's
     choice) per output of a tuple-returning fn; a donated argument is updated in place only if
-    its output keeps its layout.
+    its output keeps its layout. keep_hlo: report the optimized program's text (libtpu 0.0.52 fails
+    to print some programs, such as a gather feeding a Pallas kernel).
     """
     import jax
 
@@ -129,7 +131,8 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
         _clear(dump)  # a compile's dump can be tens of MB: keep none of it
     if not kernels and not any(kernel_name in op for op in other_ops):  # a kernel of DMAs only has no VMEM report
         raise RuntimeError(f"libtpu's dump in {dump} has no kernel named {kernel_name!r}")
-    return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops, compiled.as_text())
+    return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops,
+                         compiled.as_text() if keep_hlo else "")
 
 
 def compile_on_topology(build, arg_specs, generation: str, topology: str, kernel_name: str) -> CompileReport:

@@ -97,6 +97,7 @@ class Region:
     end: int
     cycles: int  # issue cycles when it runs (inner loops times their trip counts)
     matmuls: int  # vmatmul instructions it issues when it runs
+    children: tuple[int, ...] = ()  # the cycles of the regions directly inside it (pl.when in pl.when), in order
 
     def contains(self, other: "Region") -> bool:
         return self.start <= other.start and other.end <= self.end and self != other
@@ -123,11 +124,19 @@ class Schedule:
     hbm_operand_bytes: int = 0
     operand_shapes: tuple[str, ...] = ()  # every operand and result, as "bf16[512,2048]"
 
-    def step_cycles(self, runs: np.ndarray) -> np.ndarray:
+    def step_cycles(self, runs: np.ndarray, child_runs: dict | None = None) -> np.ndarray:
         """Issue cycles of each grid step. runs: bool [steps, len(regions)],
-        whether each pl.when body runs at that step."""
-        skipped = (~np.asarray(runs, bool)) @ np.array([r.cycles for r in self.regions], np.int64)
-        return self.iteration_cycles - skipped.reshape(-1) if self.regions else np.full(len(runs), self.iteration_cycles)
+        whether each pl.when body runs at that step. child_runs: {region
+        index: bool [steps, its children]}, whether each region nested in it
+        runs when it does (by default, all of them; the grid walk evaluates
+        top-level conditions only)."""
+        if not self.regions:
+            return np.full(len(runs), self.iteration_cycles)
+        runs = np.asarray(runs, bool)
+        skipped = (~runs) @ np.array([r.cycles for r in self.regions], np.int64)
+        for j, child in (child_runs or {}).items():
+            skipped = skipped + runs[:, j] * ((~np.asarray(child, bool)) @ np.array(self.regions[j].children, np.int64))
+        return self.iteration_cycles - skipped.reshape(-1)
 
     @property
     def fill_drain_cycles(self) -> int:
@@ -221,6 +230,10 @@ def read_schedule(text: str) -> Schedule:
     stage = max(in_loop, key=lambda r: r.cycles, default=None)
     direct = [r for r in in_loop if stage is not None and stage.contains(r)
               and not any(o.contains(r) for o in in_loop if o is not stage)]
+    for r in direct:
+        inside = [o for o in in_loop if r.contains(o)]
+        r.children = tuple(o.cycles for o in sorted(inside, key=lambda o: o.start)
+                           if not any(m.contains(o) for m in inside))
     iteration = int(weight[loop_span].sum())
     return Schedule(
         bundles=len(bundles),

@@ -2,23 +2,29 @@
 libtpu, their schedules read, the bytes counted, the report written with its goals."""
 
 import json
+import types
 
+import numpy as np
 import pytest
 
 import paged_bench
+import tpu_schedule
 from paged_attention import tuning
 
 
 def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path, monkeypatch):
     """A decode-and-prefill batch with a bf16 cache, then an fp8 one, both with the default blocks
     (the table's entries may differ by dtype, and a prefill's pages are copied once per query
-    block): both kernels modeled; then the anchor, transformers' gather and varlen flash."""
+    block): both kernels modeled; then the anchors, transformers' gather and varlen flash, and jax's
+    paged_attention, which has no prefill (its row says so)."""
     monkeypatch.setattr(paged_bench, "BATCHES", [paged_bench.Batch("mixed 8 dec + 1 x 64 pre, 1k", 8, 1, 64, 1024)])
     monkeypatch.setattr(tuning, "TUNED", {})
     assert paged_bench.main(["--models", "Llama-3-8B", "--generations", "v6e", "--out", str(tmp_path)]) == 0
-    bf16, fp8, anchor = json.loads((tmp_path / "paged_attention.json").read_text())
-    assert [(r["impl"], r["cache"]) for r in (bf16, fp8, anchor)] == [
-        ("ours", "bfloat16"), ("ours", "float8_e4m3fn"), (paged_bench.TRANSFORMERS, "bfloat16")]
+    bf16, fp8, anchor, decode_only = json.loads((tmp_path / "paged_attention.json").read_text())
+    assert [(r["impl"], r["cache"]) for r in (bf16, fp8, anchor, decode_only)] == [
+        ("ours", "bfloat16"), ("ours", "float8_e4m3fn"), (paged_bench.TRANSFORMERS, "bfloat16"),
+        (paged_bench.JAX_PAGED, "bfloat16")]
+    assert decode_only["error"].startswith("n/a: decode only")
     for r in (bf16, fp8, anchor):
         assert r["compiles"] and r["regions_mapped"], r
         assert r["modeled_us"] == pytest.approx(r["kernel_us"] + r["around_us"])
@@ -33,3 +39,34 @@ def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path
     assert "NOT measured on a TPU" in table
     assert "page copies against bf16's on the same batch: 0.500 to 0.500x" in table
     assert f"Ours (bf16) against {paged_bench.TRANSFORMERS}: " in table
+
+
+def test_jax_paged_attention_anchor_copies_its_pages_and_prefetches_once_per_step():
+    """The decode anchor on a small batch: compiled at each of its tilings, its fastest kept; every
+    step that attends copies its block's pages whole (at least the K and V the sequences hold).
+    Batches or models it cannot serve get a row that says so."""
+    batch = paged_bench.Batch("decode 8 x 1k", 8, 0, 0, 1024)
+    row = paged_bench.measure_jax_paged_attention(paged_bench.SHAPES[0], batch, "v6e")
+    assert row["compiles"] and row["regions_mapped"], row
+    assert row["modeled_us"] >= row["floor_us"] and row["tiling"].endswith("pages per block")
+    block_keys = int(row["tiling"].split()[0]) * batch.page_size
+    blocks = -(-batch.routing()["kv_lens"] // block_keys)
+    shape = paged_bench.SHAPES[0]
+    pages = int(blocks.sum()) * block_keys * shape.kv_heads * shape.head_dim * 2 * 2  # K and V, bf16
+    assert row["kv_held_bytes"] <= pages <= row["hbm_bytes"] < 1.01 * pages  # and q, out, its statistics
+    windowed = paged_bench.measure_jax_paged_attention(paged_bench.SHAPES[2], batch, "v6e")
+    assert windowed["error"].startswith("n/a")
+
+
+def test_jax_paged_attention_runs_one_prefetch_per_step():
+    """Its nested bodies: the first block's prefetch at the first step that attends, the next
+    block's at every step that attends but the last, the small ones never."""
+    cost = types.SimpleNamespace(when_runs=np.array([[0], [1], [1], [0], [1]], bool), grid_steps=5)
+    region = tpu_schedule.Region(0, 10, 700, 2, children=(5, 300, 7, 300))
+    schedule = tpu_schedule.Schedule(20, 0, None, 0, 1000, None, [region], 2, 0, 0)
+    runs = paged_bench._jax_paged_prefetches(cost, schedule)[0]
+    assert runs.tolist() == [[False] * 4, [False, True, False, True], [False, False, False, True], [False] * 4,
+                             [False] * 4]
+    # A step pays its region less the children that do not run; a step that skips it, none of it.
+    cycles = schedule.step_cycles(cost.when_runs, {0: runs})
+    assert cycles.tolist() == [300, 1000 - 12, 1000 - 312, 300, 1000 - 612]
