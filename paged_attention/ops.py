@@ -233,6 +233,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     steps are split over the megacore's two cores. Without `blocks`, decode sequences (one new
     token) run in 8-row query blocks (`tuning.decode_blocks`) and the others in larger ones
     (`tuning.prefill_blocks`), two kernels over the batch, each stepping through its own sequences.
+    Hold the caches in CACHE_MAJOR_TO_MINOR: at head_dim 64, another layout costs a copy of the
+    whole cache per call.
     """
     check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
     if sliding_window is not None and sliding_window < 1:
