@@ -69,7 +69,6 @@ class CompileReport:
     # Every other op of the program (XLA's fusions, copies, sorts around the
     # kernel): its schedule, keyed by HLO op name.
     other_ops: dict[str, "tpu_schedule.Schedule"] = dataclasses.field(default_factory=dict)
-    hlo: str = ""  # the optimized program, with its layouts (compile_for's keep_hlo)
 
     @property
     def schedules(self) -> dict[str, "tpu_schedule.Schedule"]:
@@ -92,8 +91,7 @@ def device_for(generation: str):
 
 
 def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_options: dict | None = None,
-                donate_argnums: tuple[int, ...] = (), out_layouts: tuple | None = None,
-                keep_hlo: bool = False) -> CompileReport:
+                donate_argnums: tuple[int, ...] = (), out_layouts: tuple | None = None) -> CompileReport:
     """Compiles `fn(*args)` for one device of `generation`.
 
     arg_specs: (shape, dtype) per argument, or (shape, dtype, major_to_minor) for an argument held in
@@ -105,8 +103,7 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
     gets `xla_tpu_scoped_vmem_limit_kib`, as its users set it). donate_argnums: as jax.jit's
     (an op that updates an argument in place). out_layouts: a major_to_minor (or None: libtpu's
     choice) per output of a tuple-returning fn; a donated argument is updated in place only if
-    its output keeps its layout. keep_hlo: report the optimized program's text (libtpu 0.0.52 fails
-    to print some programs, such as a gather feeding a Pallas kernel).
+    its output keeps its layout.
     """
     import jax
 
@@ -123,16 +120,15 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
         with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
             out_shardings = None if out_layouts is None else tuple(
                 Format(Layout(layout), sharding) if layout else sharding for layout in out_layouts)
-            compiled = (jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings).lower(*args)
-                        .compile(compiler_options=compiler_options))
+            (jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings).lower(*args)
+             .compile(compiler_options=compiler_options))
         seconds = time.perf_counter() - start
         capacity, kernels, other_ops = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)
     finally:
         _clear(dump)  # a compile's dump can be tens of MB: keep none of it
     if not kernels and not any(kernel_name in op for op in other_ops):  # a kernel of DMAs only has no VMEM report
         raise RuntimeError(f"libtpu's dump in {dump} has no kernel named {kernel_name!r}")
-    return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops,
-                         compiled.as_text() if keep_hlo else "")
+    return CompileReport(generation, device.device_kind, seconds, capacity, kernels, other_ops)
 
 
 def compile_on_topology(build, arg_specs, generation: str, topology: str, kernel_name: str) -> CompileReport:
@@ -159,11 +155,6 @@ def compile_on_topology(build, arg_specs, generation: str, topology: str, kernel
     if not kernels:
         raise RuntimeError(f"libtpu's dump in {dump} has no kernel named {kernel_name!r}")
     return CompileReport(generation, devices[0].device_kind, seconds, capacity, kernels, other_ops)
-
-
-def copied_shapes(hlo: str) -> list[str]:
-    """The result shapes of the program's `copy` ops (a relayout or a move), e.g. "bf16[512,16,8,64]"."""
-    return re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", hlo)
 
 
 def _clear(dump: Path) -> None:

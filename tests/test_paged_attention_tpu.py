@@ -62,7 +62,7 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
     specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
              ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
              ((hq,), jnp.float32)]
-    report = tpu_compile.compile_for(attend, specs, generation, "ragged_paged_attention", keep_hlo=True)
+    report = tpu_compile.compile_for(attend, specs, generation, "ragged_paged_attention")
     assert len(report.kernels) == (1 if "blocks" in options else 2), report.kernels
     for kernel in report.kernels.values():
         assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
@@ -72,10 +72,9 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
 def assert_no_cache_copy(report, cache):
     """The kernels read (or write) a cache held in ops.CACHE_MAJOR_TO_MINOR where it is: the
     program copies no cache-sized array into another layout (head_dim 64's default layout would)."""
-    elements = lambda dims: math.prod(int(n) for n in dims if n)
-    assert report.hlo
-    copied = [s for s in tpu_compile.copied_shapes(report.hlo)
-              if elements(s[s.index("[") + 1:-1].split(",")) == math.prod(cache[0])]
+    elements = lambda shape: math.prod(int(n) for n in shape[shape.index("[") + 1:-1].split(",") if n)
+    copies = {op: s.operand_shapes for op, s in report.other_ops.items() if op.startswith("copy")}
+    copied = {op: shapes for op, shapes in copies.items() if any(elements(s) == math.prod(cache[0]) for s in shapes)}
     assert not copied, copied
 
 
@@ -114,7 +113,7 @@ def test_cache_write_compiles_in_place(generation, cache_dtype, d):
     cache = ((4096, 16, 8, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((1000, 8, d), jnp.bfloat16), ((1000, 8, d), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
     report = tpu_compile.compile_for(write, specs, generation, "reshape_and_cache", donate_argnums=(2, 3),
-                                     out_layouts=(ops.CACHE_MAJOR_TO_MINOR,) * 2, keep_hlo=True)
+                                     out_layouts=(ops.CACHE_MAJOR_TO_MINOR,) * 2)
     ops_compiled = list(report.schedules) + list(report.kernels)
     assert any("reshape_and_cache" in op for op in ops_compiled), ops_compiled
     assert_no_cache_copy(report, cache)
