@@ -1,0 +1,76 @@
+"""bench/kernel_profile.py: per grid step, how often a kernel's loops, branches and DMAs run,
+read by running it in Pallas's interpreter."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+import kernel_profile
+
+
+def _kernel(trips_ref, x_hbm, o_ref, buf, sem):
+    i = pl.program_id(0)
+
+    def body(j, acc):
+        return acc + j
+
+    total = jax.lax.fori_loop(0, trips_ref[i], body, 0)  # a loop whose trips are data
+
+    @pl.when(i == 1)
+    def _():
+        copy = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf, sem)
+        copy.start()
+        copy.wait()
+
+    o_ref[...] = jnp.full(o_ref.shape, total, o_ref.dtype)
+
+
+def _call(trips, x):
+    return pl.pallas_call(
+        _kernel,
+        out_shape=jax.ShapeDtypeStruct((3 * 8, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(3,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((8, 128), lambda i, *_: (i, 0)),
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())]),
+        name="profiled",
+    )(trips, x)
+
+
+def test_counts_each_loop_trip_branch_and_dma_per_grid_step():
+    trips = jnp.array([2, 0, 5], jnp.int32)
+    (p,) = kernel_profile.profile(_call, trips, jnp.zeros((64, 128), jnp.float32))
+    assert p.name == "profiled" and p.grid == (3,)
+    kinds = [(n.kind, n.parent, n.branch) for n in p.nodes]
+    loop, when = kinds.index(("loop", -1, 0)), kinds.index(("branch", -1, 1))  # pl.when's body: branch 1
+    dma = kinds.index(("dma", when, 0))
+    assert p.counts[:, loop].tolist() == [2, 0, 5]
+    assert p.counts[:, when].tolist() == [0, 1, 0]
+    assert p.nodes[dma].dma_bytes == 8 * 128 * 4 and p.nodes[dma].reads_hbm
+    assert p.dma_bytes().tolist() == [0, 8 * 128 * 4, 0]
+
+
+def test_jax_paged_attention_loops_over_each_sequences_blocks():
+    """A real kernel: jax's paged_attention (its default, a loop per grid step over the sequence's
+    blocks of pages) loops cdiv(length, block) times at each (sequence, KV head) step."""
+    batch, pages_per_block, page_size = 4, 4, 16
+    lengths = np.array([100, 37, 250, 16], np.int32)
+    page_indices = np.random.default_rng(0).permutation(64).reshape(batch, 16).astype(np.int32)
+    cache = jnp.ones((2, 64, page_size, 128), jnp.bfloat16)
+    attend = functools.partial(paged_attention, pages_per_compute_block=pages_per_block)
+    (p,) = kernel_profile.profile(attend, jnp.ones((batch, 8, 128), jnp.bfloat16), cache, cache, lengths, page_indices)
+    assert p.grid == (1, batch, 2)
+    outer = [i for i, n in enumerate(p.nodes) if n.kind == "loop" and n.parent == -1]
+    assert len(outer) == 1
+    blocks = -(-lengths // (pages_per_block * page_size))
+    assert p.counts[:, outer[0]].tolist() == np.repeat(blocks, 2).tolist()
+    # Each block's K and V pages are copied once, by the step before the one that needs them (the
+    # TPU interpreter keeps the kernel's SMEM flags from step to step, as a TPU does).
+    block_bytes = 2 * pages_per_block * page_size * 128 * 2  # K and V
+    assert p.dma_bytes().sum() == 2 * blocks.sum() * block_bytes
