@@ -39,6 +39,7 @@ class Node:
     kind: str  # "loop" (a while / fori body), "branch" (one branch of a cond), "dma" (a DMA start)
     parent: int  # index of the node it runs inside, -1 at the kernel's top level
     branch: int = 0  # a branch's index in its cond (pl.when: its body is branch 1)
+    empty: bool = False  # a branch with nothing in it (pl.when's branch 0): no code is laid out for it
     dma_bytes: int = 0  # a DMA's bytes
     reads_hbm: bool = False  # a DMA's source is in HBM (memory space ANY): a fetch, else a write-back
 
@@ -49,6 +50,39 @@ class KernelProfile:
     grid: tuple[int, ...]
     nodes: list[Node]
     counts: np.ndarray  # [grid steps, nodes] int64: runs of each node at each step (row-major steps)
+
+    def control_runs(self, schedule) -> np.ndarray | None:
+        """[grid steps, schedule.controls]: how many times each of the compiled kernel's loops
+        and forward regions (kernels/tpu_schedule.py) runs at each step, or None when they cannot
+        be matched to the profile's nodes. In program order, each control takes the next node of
+        its kind: a branch the compiler predicated instead (its instructions issue whether or
+        not it runs, so they count with what holds it) has no control, and is passed over. A
+        match must keep the nesting: a control's node runs inside the node of the control that
+        holds it."""
+        nodes = [i for i, n in enumerate(self.nodes) if n.kind != "dma" and not n.empty]
+        matched, at = [], 0
+        for control in schedule.controls:
+            while at < len(nodes) and self.nodes[nodes[at]].kind != control.kind:
+                if self.nodes[nodes[at]].kind == "loop":
+                    return None  # a loop is never predicated
+                at += 1
+            if at == len(nodes):
+                return None
+            matched.append(nodes[at])
+            at += 1
+        if any(self.nodes[i].kind == "loop" for i in nodes[at:]):
+            return None
+        for j, control in enumerate(schedule.controls):
+            holders = [i for i, c in enumerate(schedule.controls[:j]) if c.start <= control.start and control.end <= c.end]
+            if holders and matched[holders[-1]] not in self._ancestors(matched[j]):
+                return None
+        return self.counts[:, matched]
+
+    def _ancestors(self, index: int) -> list[int]:
+        chain = []
+        while (index := self.nodes[index].parent) >= 0:
+            chain.append(index)
+        return chain
 
     def dma_bytes(self, reads_hbm: bool = True) -> np.ndarray:
         """[grid steps] the bytes of the DMAs each step starts, from HBM (or to it)."""
@@ -113,8 +147,12 @@ class _Instrumenter:
             if eqn.primitive.name == "while":
                 params["body_jaxpr"] = self._reporting(params["body_jaxpr"], self._node(Node("loop", parent)))
             elif eqn.primitive.name == "cond":
-                params["branches"] = tuple(self._reporting(b, self._node(Node("branch", parent, i)))
-                                           for i, b in enumerate(params["branches"]))
+                # Nodes in the order Mosaic lays the branches out (scf.if: "then", branch 1, first).
+                branches = list(params["branches"])
+                for i in reversed(range(len(branches))):
+                    node = Node("branch", parent, i, empty=not branches[i].jaxpr.eqns)
+                    branches[i] = self._reporting(branches[i], self._node(node))
+                params["branches"] = tuple(branches)
             elif eqn.primitive.name == "dma_start":
                 src, dst = jax.tree_util.tree_unflatten(params["tree"], [v.aval for v in eqn.invars])[:2]
                 index = self._node(Node("dma", parent, dma_bytes=math.prod(src.shape) * np.dtype(src.dtype).itemsize,

@@ -104,6 +104,17 @@ class Region:
 
 
 @dataclasses.dataclass
+class Control:
+    """A loop or a forward region in the kernel's compute stage, for a profile of how often each
+    runs (bench/kernel_profile.py): its bundles outside the controls nested in it."""
+
+    kind: str  # "loop" or "branch"
+    start: int
+    end: int
+    own_cycles: int  # issue cycles of one run (a loop: of one trip), its nested controls left out
+
+
+@dataclasses.dataclass
 class Schedule:
     """A compiled op's schedule, reduced to what the pipeline model needs."""
 
@@ -123,6 +134,17 @@ class Schedule:
     hbm_dma_bytes: int | None = 0
     hbm_operand_bytes: int = 0
     operand_shapes: tuple[str, ...] = ()  # every operand and result, as "bf16[512,2048]"
+    # The compute stage's loops and forward regions in program order (outer before inner), and
+    # the grid-loop iteration's cycles outside them: with a profile of each one's runs per step,
+    # a step's cycles (`profiled_step_cycles`).
+    controls: list[Control] = dataclasses.field(default_factory=list)
+    uncontrolled_cycles: int = 0
+
+    def profiled_step_cycles(self, runs: np.ndarray) -> np.ndarray:
+        """Issue cycles of each grid step. runs: int [steps, len(controls)], how many times
+        each control runs at that step (a loop: its trips, over all runs of what holds it)."""
+        own = np.array([c.own_cycles for c in self.controls], np.int64)
+        return self.uncontrolled_cycles + np.asarray(runs, np.int64) @ own
 
     def step_cycles(self, runs: np.ndarray, child_runs: dict | None = None) -> np.ndarray:
         """Issue cycles of each grid step. runs: bool [steps, len(regions)],
@@ -235,6 +257,29 @@ def read_schedule(text: str) -> Schedule:
         r.children = tuple(o.cycles for o in sorted(inside, key=lambda o: o.start)
                            if not any(m.contains(o) for m in inside))
     iteration = int(weight[loop_span].sum())
+    # (A branch around a loop, skipping it when it has no trips, adds nothing of its own: dropped.)
+    loop_spans = {(l.start, l.end) for l in inner}
+    spans = [("loop", l.start, l.end) for l in inner] + [("branch", r.start, r.end) for r in in_loop
+                                                          if (r.start, r.end) not in loop_spans]
+    spans = sorted({x for x in spans if stage is not None and stage.start <= x[1] and x[2] <= stage.end
+                    and (x[1], x[2]) != (stage.start, stage.end)}, key=lambda x: (x[1], -x[2]))
+
+
+    def own_cycles(spans):
+        controlled = np.zeros(len(bundles), np.int64)  # the innermost control each bundle is in, + 1
+        for i, (_, start, end) in enumerate(spans):  # outer first: an inner span overwrites its bundles
+            controlled[span(start, end)] = i + 1
+        return np.bincount(controlled[loop_span], minlength=len(spans) + 1)
+
+    # Likewise a branch of a few bundles around a single loop (the guard of a loop whose trip
+    # count may be zero): its bundles count with what holds it.
+    own = own_cycles(spans)
+    inside = lambda outer, x: x is not outer and outer[1] <= x[1] and x[2] <= outer[2]
+    spans = [x for i, x in enumerate(spans) if not (
+        x[0] == "branch" and own[i + 1] <= BRANCH_DELAY_SLOTS
+        and [y[0] for y in spans if inside(x, y) and not any(inside(z, y) and inside(x, z) for z in spans)] == ["loop"])]
+    own = own_cycles(spans)
+    controls = [Control(kind, start, end, int(own[i + 1])) for i, (kind, start, end) in enumerate(spans)]
     return Schedule(
         bundles=len(bundles),
         total_cycles=total,
@@ -249,6 +294,8 @@ def read_schedule(text: str) -> Schedule:
         hbm_dma_bytes=hbm_bytes,
         hbm_operand_bytes=operand_bytes,
         operand_shapes=shapes,
+        controls=controls,
+        uncontrolled_cycles=int(own[0]),
     )
 
 
@@ -270,5 +317,6 @@ def from_dict(data: dict) -> Schedule:
     data["stage"] = Region(**data["stage"]) if data["stage"] else None
     data["regions"] = [Region(**r) for r in data["regions"]]
     data["operand_shapes"] = tuple(data["operand_shapes"])
+    data["controls"] = [Control(**c) for c in data.get("controls", [])]
     return Schedule(**data)
 

@@ -74,3 +74,22 @@ def test_jax_paged_attention_loops_over_each_sequences_blocks():
     # TPU interpreter keeps the kernel's SMEM flags from step to step, as a TPU does).
     block_bytes = 2 * pages_per_block * page_size * 128 * 2  # K and V
     assert p.dma_bytes().sum() == 2 * blocks.sum() * block_bytes
+
+
+def test_profile_runs_map_onto_the_compiled_schedule():
+    """The profile's loop matched to the compiled kernel's (libtpu, v6e): the pl.when around the
+    DMA is predicated (no branch of its own, so it is passed over), the guard around the loop
+    dropped; a step's cycles are the iteration's own plus the loop body's per trip."""
+    import tpu_compile
+
+    trips = jnp.array([2, 0, 5], jnp.int32)
+    (p,) = kernel_profile.profile(_call, trips, jnp.zeros((64, 128), jnp.float32))
+    (compiled,) = tpu_compile.compile_for(_call, [((3,), jnp.int32), ((64, 128), jnp.float32)], "v6e",
+                                          "profiled").kernels.values()
+    schedule = compiled.schedule
+    assert [c.kind for c in schedule.controls] == ["loop"]
+    runs = p.control_runs(schedule)
+    assert runs.tolist() == [[2], [0], [5]]
+    body = schedule.controls[0].own_cycles
+    assert body > 0
+    assert schedule.profiled_step_cycles(runs).tolist() == [schedule.uncontrolled_cycles + t * body for t in (2, 0, 5)]
