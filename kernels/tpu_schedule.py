@@ -264,7 +264,6 @@ def read_schedule(text: str) -> Schedule:
     spans = sorted({x for x in spans if stage is not None and stage.start <= x[1] and x[2] <= stage.end
                     and (x[1], x[2]) != (stage.start, stage.end)}, key=lambda x: (x[1], -x[2]))
 
-
     def own_cycles(spans):
         controlled = np.zeros(len(bundles), np.int64)  # the innermost control each bundle is in, + 1
         for i, (_, start, end) in enumerate(spans):  # outer first: an inner span overwrites its bundles
