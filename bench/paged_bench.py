@@ -299,7 +299,7 @@ def measure_jax_paged_attention(shape: AttentionShape, batch: Batch, generation:
     cache = ((shape.kv_heads, routing["num_pages"], batch.page_size, shape.head_dim), jnp.bfloat16)
     data = [((batch.seqs, shape.q_heads, shape.head_dim), jnp.bfloat16), cache, cache]
     index = [routing["kv_lens"], routing["page_indices"]]
-    best = None
+    rows, failures = [], []
     for ppcb in (p for p in JAX_PAGES_PER_BLOCK if routing["page_indices"].shape[1] % p == 0):
         fn = lambda q, k, v, lengths, pages, ppcb=ppcb: paged_attention(
             q, k, v, lengths, pages, pages_per_compute_block=ppcb, inline_seq_dim=False,
@@ -315,13 +315,11 @@ def measure_jax_paged_attention(shape: AttentionShape, batch: Batch, generation:
                                              "paged_attention")
             parts = pipeline.program_seconds(costs, report.schedules, generation, _jax_paged_prefetches)
         except Exception as err:  # noqa: BLE001  (a tiling that fails is skipped; none left: the row says why)
-            best = best or dict(error=str(err).splitlines()[0][:200])
+            failures.append(str(err).splitlines()[0][:200])
             continue
-        row = dict(figures(costs, report, parts, held_bytes(shape, batch, routing, 2), generation),
-                   tiling=f"{ppcb} pages per block")
-        if "error" in (best or {"error": 1}) or row["modeled_us"] < best["modeled_us"]:
-            best = row
-    return best
+        rows.append(dict(figures(costs, report, parts, held_bytes(shape, batch, routing, 2), generation),
+                         tiling=f"{ppcb} pages per block"))
+    return min(rows, key=lambda r: r["modeled_us"]) if rows else dict(error=failures[0])
 
 
 def _blocks_of(eqn, shape: AttentionShape):
