@@ -180,27 +180,14 @@ def _tpu_inference_gmm():
     """vLLM's TPU grouped matmul (tpu-inference 0.32.0, a megablox fork with
     its own tuned table), loaded from its files: its package imports vLLM,
     which the bench does not install. None where it is not installed."""
-    import importlib.util
-    import logging
     import types
 
-    spec = importlib.util.find_spec("tpu_inference")
-    if spec is None or spec.submodule_search_locations is None:
+    import tpu_inference_kernels
+
+    if not tpu_inference_kernels.installed():
         return None
-    if "tpu_inference.logger" not in sys.modules:
-        package = types.ModuleType("tpu_inference")
-        package.__path__ = list(spec.submodule_search_locations)
-        logger = types.ModuleType("tpu_inference.logger")
-
-        def init_logger(name):  # vLLM's logger adds warning_once
-            log = logging.getLogger(name)
-            log.warning_once = log.warning
-            return log
-
-        logger.init_logger = init_logger
-        sys.modules.update({"tpu_inference": package, "tpu_inference.logger": logger})
-    gmm = importlib.import_module("tpu_inference.kernels.megablox.gmm")
-    tuned = importlib.import_module("tpu_inference.kernels.megablox.tuned_block_sizes")
+    gmm = tpu_inference_kernels.module("kernels.megablox.gmm")
+    tuned = tpu_inference_kernels.module("kernels.megablox.tuned_block_sizes")
     tiling_for = lambda m, k, n, g: tuple(tuned.get_tuned_block_sizes(m, k, n, g, g, "bfloat16", "bfloat16", k))
     return types.SimpleNamespace(gmm=gmm.gmm, tiling_for=tiling_for)
 

@@ -10,7 +10,7 @@ TPU pipeline does:
   dims) differs from the previous grid step's; each copy moves the block
   clipped to the array's bounds (an element window's padding is not
   read). Block shapes and index maps are read from the pallas_call, not
-  written by hand. Operands left in HBM (`pl.ANY`) are not counted: the
+  written by hand. Operands left in HBM (`pl.ANY`, `pltpu.HBM`) are not counted: the
   kernel's own copies are its caller's to count (bench/paged_bench.py).
 - MXU work: each `dot_general` in the kernel body counts at its shapes
   padded to the MXU (rows to 8, contraction and columns to the MXU width),
@@ -336,7 +336,7 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
     fetch = np.zeros(len(points), np.int64)
     write = np.zeros(len(points), np.int64)
     for i, block_mapping in enumerate(grid_mapping.block_mappings):
-        if str(getattr(block_mapping.block_aval, "memory_space", "")) == "any":
+        if str(getattr(block_mapping.block_aval, "memory_space", "")).lower() in ("any", "hbm"):
             continue  # left in HBM: the kernel copies what it needs itself, which its caller counts
         indices = _block_indices(block_mapping, points, prefetch)
         is_output = i >= grid_mapping.num_inputs

@@ -13,6 +13,16 @@ kernel's SMEM from one grid step to the next as a TPU does: the plain
 interpreter starts each step from the inputs, and a kernel that keeps
 flags there (jax's paged_attention) would be seen copying more.
 
+Only the kernel's control is run: before the kernel runs, every operation
+that neither decides a loop or branch nor writes SMEM is cut out of it
+(`_sliced`): the vector work, the DMAs themselves (their starts still report
+their static bytes). A decode batch of 64 sequences at 8k then runs in
+seconds, and kernels with ops the interpreter lacks (jax's
+ragged_paged_attention reshapes refs) run too, as long as those ops are not
+part of the control. Control read from VMEM (never the case in the kernels
+profiled so far) raises rather than reading memory the slice no longer
+writes.
+
 `profile(fn, *args)` returns a `KernelProfile` per pallas_call `fn` runs:
 its control nodes in program order (pre-order: a node's children follow
 it) and, per grid step, how many times each ran and the bytes each DMA
@@ -28,6 +38,7 @@ import jax
 import numpy as np
 from jax._src import core as jcore
 from jax._src.pallas import core as pallas_core
+from jax._src.state import indexing
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -40,7 +51,6 @@ class Node:
     parent: int  # index of the node it runs inside, -1 at the kernel's top level
     branch: int = 0  # a branch's index in its cond (pl.when: its body is branch 1)
     empty: bool = False  # a branch with nothing in it (pl.when's branch 0): no code is laid out for it
-    dma_bytes: int = 0  # a DMA's bytes
     reads_hbm: bool = False  # a DMA's source is in HBM (memory space ANY): a fetch, else a write-back
 
 
@@ -50,33 +60,51 @@ class KernelProfile:
     grid: tuple[int, ...]
     nodes: list[Node]
     counts: np.ndarray  # [grid steps, nodes] int64: runs of each node at each step (row-major steps)
+    moved: np.ndarray  # [grid steps, nodes] int64: the bytes each DMA node moved at each step
 
     def control_runs(self, schedule) -> np.ndarray | None:
-        """[grid steps, schedule.controls]: how many times each of the compiled kernel's loops
-        and forward regions (kernels/tpu_schedule.py) runs at each step, or None when they cannot
-        be matched to the profile's nodes. In program order, each control takes the next node of
+        """[grid steps, schedule.controls] (a grid of one step: schedule.program_controls): how many
+        times each of the compiled kernel's loops and forward regions (kernels/tpu_schedule.py)
+        runs at each step, or None when they cannot be matched to the profile's nodes. In program
+        order, each control takes a later node of
         its kind: a branch the compiler predicated instead (its instructions issue whether or
-        not it runs, so they count with what holds it) has no control, and is passed over. A
-        match must keep the nesting: a control's node runs inside the node of the control that
-        holds it."""
+        not it runs, so they count with what holds it) has no control, and is passed over; a
+        loop never is. A match keeps the nesting both ways: a control's node runs inside the
+        nodes of the controls that hold it, and inside no other matched node. The first match
+        in program order is taken."""
         nodes = [i for i, n in enumerate(self.nodes) if n.kind != "dma" and not n.empty]
-        matched, at = [], 0
-        for control in schedule.controls:
-            while at < len(nodes) and self.nodes[nodes[at]].kind != control.kind:
-                if self.nodes[nodes[at]].kind == "loop":
-                    return None  # a loop is never predicated
-                at += 1
-            if at == len(nodes):
-                return None
-            matched.append(nodes[at])
-            at += 1
-        if any(self.nodes[i].kind == "loop" for i in nodes[at:]):
+        controls = schedule.program_controls if self.one_step else schedule.controls
+        holders = [{k for k in range(j) if controls[k].start <= c.start and c.end <= controls[k].end}
+                   for j, c in enumerate(controls)]
+
+        def search(j: int, at: int, matched: list[int]) -> list[int] | None:
+            if j == len(controls):
+                return matched if not any(self.nodes[i].kind == "loop" for i in nodes[at:]) else None
+            for k in range(at, len(nodes)):
+                node = self.nodes[nodes[k]]
+                if node.kind == controls[j].kind:
+                    ancestors = set(self._ancestors(nodes[k]))
+                    if {m for m, i in enumerate(matched) if i in ancestors} == holders[j]:
+                        found = search(j + 1, k + 1, matched + [nodes[k]])
+                        if found is not None:
+                            return found
+                if node.kind == "loop":
+                    return None
             return None
-        for j, control in enumerate(schedule.controls):
-            holders = [i for i, c in enumerate(schedule.controls[:j]) if c.start <= control.start and control.end <= c.end]
-            if holders and matched[holders[-1]] not in self._ancestors(matched[j]):
-                return None
-        return self.counts[:, matched]
+
+        matched = search(0, 0, [])
+        return None if matched is None else self.counts[:, matched]
+
+    @property
+    def one_step(self) -> bool:
+        """A grid of one step has no grid loop: the compiled program is the step."""
+        return len(self.counts) == 1
+
+    def step_cycles(self, schedule) -> np.ndarray | None:
+        """[grid steps] issue cycles of each step, its controls counted as they ran (None: the
+        profile does not match the compiled kernel's controls)."""
+        runs = self.control_runs(schedule)
+        return None if runs is None else schedule.profiled_step_cycles(runs, whole_program=self.one_step)
 
     def _ancestors(self, index: int) -> list[int]:
         chain = []
@@ -86,9 +114,8 @@ class KernelProfile:
 
     def dma_bytes(self, reads_hbm: bool = True) -> np.ndarray:
         """[grid steps] the bytes of the DMAs each step starts, from HBM (or to it)."""
-        sizes = np.array([n.dma_bytes if n.kind == "dma" and n.reads_hbm == reads_hbm else 0 for n in self.nodes],
-                         np.int64)
-        return self.counts @ sizes
+        chosen = np.array([n.kind == "dma" and n.reads_hbm == reads_hbm for n in self.nodes])
+        return self.moved[:, chosen].sum(axis=1)
 
 
 def _sub_jaxprs(eqn):
@@ -102,12 +129,12 @@ class _Instrumenter:
     def __init__(self, grid_mapping):
         self.grid_mapping = grid_mapping
         self.nodes: list[Node] = []
-        self.runs: list[int] = []  # filled by the callbacks: node indices, and -1 - step at each step's start
+        self.runs: list[tuple[int, int]] = []  # filled by the callbacks: (node, DMA bytes), (-1 - step, 0) at a step's start
 
-    def _report(self, index):
+    def _report(self, index, nbytes=0):
         # (Unordered callbacks: the interpreter runs the kernel's ops one after another, so they
         # arrive in program order; the tests check counts that a reordering would break.)
-        self.runs.append(int(index))
+        self.runs.append((int(index), int(nbytes)))
 
     def _traced(self, fn, avals):
         with pallas_core.tracing_grid_env(tuple(self.grid_mapping.grid), self.grid_mapping.vmapped_dims):
@@ -119,8 +146,8 @@ class _Instrumenter:
 
         def top(*args):
             step = 0
-            for axis, size in enumerate(grid):
-                step = step * size + pl.program_id(axis)
+            for axis in range(len(grid)):
+                step = step * pl.num_programs(axis) + pl.program_id(axis)
             jax.debug.callback(self._report, -1 - step)
             return jcore.eval_jaxpr(body, (), *args)
 
@@ -154,25 +181,161 @@ class _Instrumenter:
                     branches[i] = self._reporting(branches[i], self._node(node))
                 params["branches"] = tuple(branches)
             elif eqn.primitive.name == "dma_start":
-                src, dst = jax.tree_util.tree_unflatten(params["tree"], [v.aval for v in eqn.invars])[:2]
-                index = self._node(Node("dma", parent, dma_bytes=math.prod(src.shape) * np.dtype(src.dtype).itemsize,
-                                        reads_hbm=_in_hbm(src) and not _in_hbm(dst)))
-                eqns += self._traced(lambda: jax.debug.callback(self._report, index), []).jaxpr.eqns
+                eqns += self._dma_report(eqn, parent)
             elif _sub_jaxprs(eqn):
                 params = {k: jcore.ClosedJaxpr(self.rewrite(v.jaxpr, parent), v.consts)
                           if isinstance(v, jcore.ClosedJaxpr) else v for k, v in params.items()}
             eqns.append(eqn.replace(params=params))
         return jaxpr.replace(eqns=eqns)
 
-    def counts(self, steps: int) -> np.ndarray:
+    def _dma_report(self, eqn, parent: int) -> list:
+        """The equations that report a DMA start and its bytes. A DMA whose slice sizes are
+        values (`pl.ds(start, n)` with n traced) reports them as it runs."""
+        src_aval, dst_aval = jax.tree_util.tree_unflatten(eqn.params["tree"], [v.aval for v in eqn.invars])[:2]
+        src = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)[0]
+        sizes = [s.size for t in getattr(src, "transforms", ()) for s in getattr(t, "indices", ())
+                 if isinstance(s, indexing.Slice) and not isinstance(s.size, int)]
+        static = [d for d in src_aval.shape if isinstance(d, int)]
+        if len(static) + len(sizes) != len(src_aval.shape):
+            raise NotImplementedError(f"a DMA of shape {src_aval.shape} whose sizes are not its slices'")
+        itemsize = np.dtype(src_aval.dtype).itemsize
+        index = self._node(Node("dma", parent, reads_hbm=_in_hbm(src_aval) and not _in_hbm(dst_aval)))
+        report = lambda *n: self._report(index, math.prod(static) * itemsize * math.prod(int(x) for x in n))
+        traced = self._traced(lambda *n: jax.debug.callback(report, *n), [v.aval for v in sizes]).jaxpr
+        rename = dict(zip(traced.invars, sizes))
+        return [e.replace(invars=[rename.get(v, v) if isinstance(v, jcore.Var) else v for v in e.invars])
+                for e in traced.eqns]
+
+    def tallies(self, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """[steps, nodes] runs of each node, and the bytes its DMAs moved."""
         counts = np.zeros((steps, len(self.nodes)), np.int64)
+        moved = np.zeros_like(counts)
         step = 0
-        for index in self.runs:
+        for index, nbytes in self.runs:
             if index < 0:
                 step = -1 - index
             else:
                 counts[step, index] += 1
-        return counts
+                moved[step, index] += nbytes
+        return counts, moved
+
+
+_DROPPED = {"dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "delay"}  # the slice's timing-only ops
+_STATE_WRITES = {"swap", "addupdate"}
+
+
+def _memory_space(aval) -> str:
+    return str(getattr(aval, "memory_space", "")).lower()
+
+
+def _is_ref(var) -> bool:
+    return isinstance(var, jcore.Var) and hasattr(var.aval, "memory_space") and hasattr(var.aval, "inner_aval")
+
+
+def _zeros(aval) -> jcore.Literal:
+    """A stand-in for a value nothing in the slice reads."""
+    return jcore.Literal(np.zeros(aval.shape, aval.dtype), aval)
+
+
+def _sliced(jaxpr, live_out):
+    """(jaxpr cut down to what its live outputs, its callbacks and its SMEM writes need, with the
+    same inputs and outputs (the dead ones zeros); which inputs (constvars then invars) it reads;
+    whether it holds a callback or SMEM write)."""
+    needed = {v for v, live in zip(jaxpr.outvars, live_out) if live and isinstance(v, jcore.Var)}
+    kept, effectful = [], False
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        wanted = [v in needed for v in eqn.outvars]
+        eqn, reads, roots = _sliced_eqn(eqn, wanted)
+        if eqn is None:
+            if any(wanted):
+                raise NotImplementedError(f"the kernel's control reads the result of {name}, which the slice drops")
+            continue
+        effectful |= roots
+        needed |= {v for v, r in zip(eqn.invars, reads) if r and isinstance(v, jcore.Var)}
+        kept.append(eqn)
+    outvars = [v if live or not isinstance(v, jcore.Var) else _zeros(v.aval) for v, live in zip(jaxpr.outvars, live_out)]
+    reads = [v in needed for v in (*jaxpr.constvars, *jaxpr.invars)]
+    return jaxpr.replace(eqns=kept[::-1], outvars=outvars), reads, effectful
+
+
+def _closed_sliced(closed, live_out):
+    inner, reads, roots = _sliced(closed.jaxpr, live_out)
+    return jcore.ClosedJaxpr(inner, closed.consts), reads[len(closed.jaxpr.constvars):], roots
+
+
+def _dead_to_zeros(invars, reads):
+    """An equation's operands with the unread values (not refs: a ref costs nothing to pass) as zeros."""
+    return [v if r or not isinstance(v, jcore.Var) or _is_ref(v) else _zeros(v.aval) for v, r in zip(invars, reads)]
+
+
+def _sliced_eqn(eqn, wanted):
+    """(the equation as the slice keeps it or None, which operands it reads, whether it is or holds a
+    callback or SMEM write)."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "debug_callback":
+        return eqn, [True] * len(eqn.invars), True
+    if name in _DROPPED:
+        return None, None, False
+    if name in _STATE_WRITES or name == "get":
+        reads_smem = "smem" in _memory_space(eqn.invars[0].aval)
+        if name in _STATE_WRITES and reads_smem:
+            return eqn, [True] * len(eqn.invars), True
+        if not any(wanted):
+            return None, None, False
+        if not reads_smem:
+            raise NotImplementedError(f"the kernel's control reads {_memory_space(eqn.invars[0].aval)} memory, not SMEM")
+        return eqn, [True] * len(eqn.invars), False
+    if name == "while":
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cond, cond_reads, cond_roots = _closed_sliced(params["cond_jaxpr"], [True])
+        live = [w or r for w, r in zip(wanted, cond_reads[nc:])]
+        while True:
+            body, body_reads, body_roots = _closed_sliced(params["body_jaxpr"], live)
+            grown = [l or r for l, r in zip(live, body_reads[nb:])]
+            if grown == live:
+                break
+            live = grown
+        if not (any(live) or body_roots or cond_roots):
+            return None, None, False
+        reads = cond_reads[:nc] + body_reads[:nb] + live
+        return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads),
+                           params=dict(params, cond_jaxpr=cond, body_jaxpr=body)), reads, body_roots or cond_roots
+    if name == "scan":
+        nc, ncarry = params["num_consts"], params["num_carry"]
+        live = list(wanted[:ncarry])
+        while True:
+            body, body_reads, roots = _closed_sliced(params["jaxpr"], live + list(wanted[ncarry:]))
+            grown = [l or r for l, r in zip(live, body_reads[nc:nc + ncarry])]
+            if grown == live:
+                break
+            live = grown
+        if not (any(wanted) or roots):
+            return None, None, False
+        reads = body_reads[:nc] + live + body_reads[nc + ncarry:]
+        return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads), params=dict(params, jaxpr=body)), reads, roots
+    if name == "cond":
+        sliced = [_closed_sliced(b, wanted) for b in params["branches"]]
+        roots = any(r for _, _, r in sliced)
+        if not (any(wanted) or roots):
+            return None, None, False
+        reads = [True] + [any(col) for col in zip(*(r for _, r, _ in sliced))]
+        return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads),
+                           params=dict(params, branches=tuple(b for b, _, _ in sliced))), reads, roots
+    if name == "run_scoped":
+        body, reads, roots = _sliced(params["jaxpr"], wanted)
+        if not (any(wanted) or roots):
+            return None, None, False
+        reads = reads[:len(eqn.invars)]  # its operands are the body's constvars
+        return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads), params=dict(params, jaxpr=body)), reads, roots
+    if name in ("pjit", "jit", "closed_call", "core_call"):
+        body, reads, roots = _closed_sliced(params["jaxpr"], wanted)
+        if not (any(wanted) or roots):
+            return None, None, False
+        return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads), params=dict(params, jaxpr=body)), reads, roots
+    if any(wanted):
+        return eqn, [True] * len(eqn.invars), False
+    return None, None, False
 
 
 def _in_hbm(ref) -> bool:
@@ -196,12 +359,14 @@ def profile(fn, *args, name_contains: str = "") -> list[KernelProfile]:
             params = eqn.params
             if eqn.primitive.name == "pallas_call" and name_contains in (params.get("name") or ""):
                 instrumenter = _Instrumenter(params["grid_mapping"])
-                params = dict(params, jaxpr=instrumenter.kernel(params["jaxpr"]), interpret=INTERPRET)
+                kernel = _sliced(instrumenter.kernel(params["jaxpr"]), [])[0]
+                params = dict(params, jaxpr=kernel, interpret=INTERPRET)
                 outs = eqn.primitive.bind(*invals, **params)
                 jax.block_until_ready(outs)
-                grid = tuple(params["grid_mapping"].grid)
+                dynamic = iter(int(np.asarray(v).reshape(-1)[0]) for v in invals)  # its dynamic bounds lead
+                grid = tuple(next(dynamic) if pallas_core.is_dynamic_dim(g) else g for g in params["grid_mapping"].grid)
                 found.append(KernelProfile(params.get("name") or "", grid, instrumenter.nodes,
-                                           instrumenter.counts(math.prod(grid))))
+                                           *instrumenter.tallies(math.prod(grid))))
             elif eqn.primitive.name in ("pjit", "jit", "closed_call", "core_call"):
                 sub = params["jaxpr"]
                 outs = run(sub.jaxpr, sub.consts, invals)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 # The pipeline sum lives with the generation table: the block rule uses it too.
-from runtime.generations import GENERATIONS, pipeline_seconds
+from runtime.generations import DMA_LATENCY_S, GENERATIONS, pipeline_seconds
 
 
 def core_of_step(grid: tuple[int, ...], semantics: tuple[str, ...], cores: int) -> np.ndarray:
@@ -67,26 +67,43 @@ def region_runs(cost, schedule) -> np.ndarray | None:
     return None
 
 
-def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = None) -> dict:
+def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = None, profile=None) -> dict:
     """Modeled time of one kernel (a grid_walk.KernelCost with its compiled
     tpu_schedule.Schedule), with the parts a reader needs to see why.
-    child_runs: as `Schedule.step_cycles`."""
+    child_runs: as `Schedule.step_cycles`. profile: the kernel's
+    bench/kernel_profile.KernelProfile, for a kernel whose loops and branches
+    depend on its data and which copies what it needs itself: a step's cycles
+    are those of its loops and branches as they ran, and it lasts at least as
+    long as its own copies take (started in its loops, double-buffered there,
+    they are taken to overlap its compute entirely: a lower bound)."""
     gen = GENERATIONS[generation]
-    runs = region_runs(cost, schedule)
-    mapped = runs is not None
-    if not mapped:  # the regions do not line up with the kernel's pl.when: count them all as running
-        runs = np.ones((cost.grid_steps, len(schedule.regions)), bool)
-    compute = schedule.step_cycles(runs, child_runs) / gen.clock_hz
     core = core_of_step(cost.grid, cost.dimension_semantics, gen.cores_per_device)
     active = int(core.max()) + 1
+    own_bytes = np.zeros(cost.grid_steps, np.int64)
+    if profile is not None:
+        cycles = profile.step_cycles(schedule)
+        if cycles is None:
+            raise RuntimeError(f"{cost.name}: its profile does not match its compiled loops and branches")
+        own_bytes = profile.dma_bytes() + profile.dma_bytes(reads_hbm=False)
+        copies = np.where(own_bytes > 0, own_bytes / (gen.hbm_bytes_per_s / active) + DMA_LATENCY_S, 0.0)
+        issue = cycles / gen.clock_hz
+        compute = np.maximum(issue, copies)
+        mapped = True
+    else:
+        runs = region_runs(cost, schedule)
+        mapped = runs is not None
+        if not mapped:  # the regions do not line up with the kernel's pl.when: count them all as running
+            runs = np.ones((cost.grid_steps, len(schedule.regions)), bool)
+        compute = issue = schedule.step_cycles(runs, child_runs) / gen.clock_hz
     per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
                                  gen.hbm_bytes_per_s / active) for c in range(active)]
-    fill_drain = schedule.fill_drain_cycles / gen.clock_hz
+    # (A profiled grid of one step has no grid loop: its cycles are the whole program's already.)
+    fill_drain = 0.0 if profile is not None and profile.one_step else schedule.fill_drain_cycles / gen.clock_hz
     total = max(per_core) + fill_drain
-    moved = cost.fetch_bytes.sum() + cost.write_bytes.sum()
+    moved = cost.fetch_bytes.sum() + cost.write_bytes.sum() + own_bytes.sum()
     return {
         "modeled": total,
-        "compute": float(compute.sum()) / active,  # issue time, split over the active cores
+        "compute": float(issue.sum()) / active,  # issue time, split over the active cores
         "dma": float(moved / gen.hbm_bytes_per_s),
         "fill_drain": fill_drain,
         "cores": active,
@@ -117,13 +134,15 @@ def match_kernels(costs: list, schedules: dict) -> dict:
     return matched
 
 
-def program_seconds(costs: list, schedules: dict, generation: str, child_runs=None) -> dict:
+def program_seconds(costs: list, schedules: dict, generation: str, child_runs=None, profiles=None) -> dict:
     """A whole compiled program: each walked Pallas kernel through the
     pipeline model, every other op as `around_seconds` counts it.
-    child_runs(cost, schedule) -> a kernel's `Schedule.step_cycles` child_runs."""
+    child_runs(cost, schedule) -> a kernel's `Schedule.step_cycles` child_runs;
+    profiles: each kernel's KernelProfile, in the order of `costs`."""
     matched = match_kernels(costs, schedules)
     parts = [kernel_seconds(cost, schedules[matched[i]], generation,
-                            child_runs(cost, schedules[matched[i]]) if child_runs else None)
+                            child_runs(cost, schedules[matched[i]]) if child_runs else None,
+                            profiles[i] if profiles else None)
              for i, cost in enumerate(costs)]
     around = around_seconds({op: s for op, s in schedules.items() if op not in matched.values()}, generation)
     kernels = sum(p["modeled"] for p in parts)

@@ -139,12 +139,19 @@ class Schedule:
     # a step's cycles (`profiled_step_cycles`).
     controls: list[Control] = dataclasses.field(default_factory=list)
     uncontrolled_cycles: int = 0
+    # The same with the whole program as one step (a grid of one step has no grid loop: the
+    # outermost loop found is the kernel's own).
+    program_controls: list[Control] = dataclasses.field(default_factory=list)
+    program_uncontrolled_cycles: int = 0
 
-    def profiled_step_cycles(self, runs: np.ndarray) -> np.ndarray:
+    def profiled_step_cycles(self, runs: np.ndarray, whole_program: bool = False) -> np.ndarray:
         """Issue cycles of each grid step. runs: int [steps, len(controls)], how many times
-        each control runs at that step (a loop: its trips, over all runs of what holds it)."""
-        own = np.array([c.own_cycles for c in self.controls], np.int64)
-        return self.uncontrolled_cycles + np.asarray(runs, np.int64) @ own
+        each control runs at that step (a loop: its trips, over all runs of what holds it).
+        whole_program: of the one step of a grid of one, with `program_controls`."""
+        controls = self.program_controls if whole_program else self.controls
+        base = self.program_uncontrolled_cycles if whole_program else self.uncontrolled_cycles
+        own = np.array([c.own_cycles for c in controls], np.int64)
+        return base + np.asarray(runs, np.int64) @ own
 
     def step_cycles(self, runs: np.ndarray, child_runs: dict | None = None) -> np.ndarray:
         """Issue cycles of each grid step. runs: bool [steps, len(regions)],
@@ -165,6 +172,34 @@ class Schedule:
         """The two grid-loop iterations that only fetch or only write back, plus entry and exit."""
         stage = self.stage.cycles if self.stage else 0
         return self.outside_loop_cycles + 2 * (self.iteration_cycles - stage)
+
+
+def _controls(loops: list[Loop], regions: list[Region], stage: Region | None, over: slice, span, bundles: int):
+    """(the loops and forward regions inside `stage`, in program order, outer before inner, each with
+    its own cycles; the cycles of the bundles in `over` outside them)."""
+    # (A branch around a loop, skipping it when it has no trips, adds nothing of its own: dropped.)
+    loop_spans = {(l.start, l.end) for l in loops}
+    spans = [("loop", l.start, l.end) for l in loops] + [("branch", r.start, r.end) for r in regions
+                                                          if (r.start, r.end) not in loop_spans]
+    spans = sorted({x for x in spans if stage is not None and stage.start <= x[1] and x[2] <= stage.end
+                    and (x[1], x[2]) != (stage.start, stage.end)}, key=lambda x: (x[1], -x[2]))
+
+    def own_cycles(spans):
+        controlled = np.zeros(bundles, np.int64)  # the innermost control each bundle is in, + 1
+        for i, (_, start, end) in enumerate(spans):  # outer first: an inner span overwrites its bundles
+            controlled[span(start, end)] = i + 1
+        return np.bincount(controlled[over], minlength=len(spans) + 1)
+
+    # Likewise a branch of a few bundles around a single loop (the guard of a loop whose trip
+    # count may be zero): its bundles count with what holds it.
+    own = own_cycles(spans)
+    inside = lambda outer, x: x is not outer and outer[1] <= x[1] and x[2] <= outer[2]
+    spans = [x for i, x in enumerate(spans) if not (
+        x[0] == "branch" and own[i + 1] <= BRANCH_DELAY_SLOTS
+        and [y[0] for y in spans if inside(x, y) and not any(inside(z, y) and inside(x, z) for z in spans)] == ["loop"])]
+    own = own_cycles(spans)
+    controls = [Control(kind, start, end, int(own[i + 1])) for i, (kind, start, end) in enumerate(spans)]
+    return controls, int(own[0])
 
 
 def parse_bundles(text: str) -> list[Bundle]:
@@ -243,10 +278,16 @@ def read_schedule(text: str) -> Schedule:
     hbm_bytes = int((every_loop * dma[:, 0]).sum()) if static else None
     operand_bytes = sum(int(np.prod(shape)) * _ITEMSIZE.get(dtype, 4)
                         for space, dtype, shape in operands(bundles[0]) if space == "hbm")
+    # The controls read with the whole program as one step: for a grid of one step, which has no
+    # grid loop (the outermost loop is then the kernel's own).
+    program_controls = _controls(loops, [region(a, t) for a, t in forward if a < t],
+                                 Region(bundles[0].address, bundles[-1].address + 1, 0, 0),
+                                 slice(0, len(bundles)), span, len(bundles))
     if grid_loop is None:
         return Schedule(len(bundles), total, None, total, 0, None, [], int((weight * is_matmul).sum()),
                         int((weight * is_push).sum()), sum(l.trip_count is None for l in inner), hbm_bytes,
-                        operand_bytes, shapes)
+                        operand_bytes, shapes, program_controls=program_controls[0],
+                        program_uncontrolled_cycles=program_controls[1])
     loop_span = span(grid_loop.start, grid_loop.end)
     in_loop = [region(a, t) for a, t in forward if grid_loop.start <= a and t <= grid_loop.end and a < t]
     stage = max(in_loop, key=lambda r: r.cycles, default=None)
@@ -257,28 +298,7 @@ def read_schedule(text: str) -> Schedule:
         r.children = tuple(o.cycles for o in sorted(inside, key=lambda o: o.start)
                            if not any(m.contains(o) for m in inside))
     iteration = int(weight[loop_span].sum())
-    # (A branch around a loop, skipping it when it has no trips, adds nothing of its own: dropped.)
-    loop_spans = {(l.start, l.end) for l in inner}
-    spans = [("loop", l.start, l.end) for l in inner] + [("branch", r.start, r.end) for r in in_loop
-                                                          if (r.start, r.end) not in loop_spans]
-    spans = sorted({x for x in spans if stage is not None and stage.start <= x[1] and x[2] <= stage.end
-                    and (x[1], x[2]) != (stage.start, stage.end)}, key=lambda x: (x[1], -x[2]))
-
-    def own_cycles(spans):
-        controlled = np.zeros(len(bundles), np.int64)  # the innermost control each bundle is in, + 1
-        for i, (_, start, end) in enumerate(spans):  # outer first: an inner span overwrites its bundles
-            controlled[span(start, end)] = i + 1
-        return np.bincount(controlled[loop_span], minlength=len(spans) + 1)
-
-    # Likewise a branch of a few bundles around a single loop (the guard of a loop whose trip
-    # count may be zero): its bundles count with what holds it.
-    own = own_cycles(spans)
-    inside = lambda outer, x: x is not outer and outer[1] <= x[1] and x[2] <= outer[2]
-    spans = [x for i, x in enumerate(spans) if not (
-        x[0] == "branch" and own[i + 1] <= BRANCH_DELAY_SLOTS
-        and [y[0] for y in spans if inside(x, y) and not any(inside(z, y) and inside(x, z) for z in spans)] == ["loop"])]
-    own = own_cycles(spans)
-    controls = [Control(kind, start, end, int(own[i + 1])) for i, (kind, start, end) in enumerate(spans)]
+    controls, uncontrolled = _controls(inner, in_loop, stage, loop_span, span, len(bundles))
     return Schedule(
         bundles=len(bundles),
         total_cycles=total,
@@ -294,7 +314,9 @@ def read_schedule(text: str) -> Schedule:
         hbm_operand_bytes=operand_bytes,
         operand_shapes=shapes,
         controls=controls,
-        uncontrolled_cycles=int(own[0]),
+        uncontrolled_cycles=uncontrolled,
+        program_controls=program_controls[0],
+        program_uncontrolled_cycles=program_controls[1],
     )
 
 
@@ -317,5 +339,6 @@ def from_dict(data: dict) -> Schedule:
     data["regions"] = [Region(**r) for r in data["regions"]]
     data["operand_shapes"] = tuple(data["operand_shapes"])
     data["controls"] = [Control(**c) for c in data.get("controls", [])]
+    data["program_controls"] = [Control(**c) for c in data.get("program_controls", [])]
     return Schedule(**data)
 

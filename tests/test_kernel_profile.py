@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
@@ -52,8 +53,49 @@ def test_counts_each_loop_trip_branch_and_dma_per_grid_step():
     dma = kinds.index(("dma", when, 0))
     assert p.counts[:, loop].tolist() == [2, 0, 5]
     assert p.counts[:, when].tolist() == [0, 1, 0]
-    assert p.nodes[dma].dma_bytes == 8 * 128 * 4 and p.nodes[dma].reads_hbm
+    assert p.nodes[dma].reads_hbm and p.moved[:, dma].tolist() == [0, 8 * 128 * 4, 0]
     assert p.dma_bytes().tolist() == [0, 8 * 128 * 4, 0]
+
+
+def _dynamic_copy_kernel(n_ref, x_hbm, o_ref, buf, sem):
+    n = n_ref[pl.program_id(0)]
+    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(0, n)], buf.at[pl.ds(0, n)], sem)  # n rows: a value
+    copy.start()
+    copy.wait()
+    o_ref[...] = buf.reshape(4, 2, 128)[...].reshape(8, 128)  # a ref reshape: the interpreter has none
+
+
+def _dynamic_copy(rows, x, interpret=False):
+    return pl.pallas_call(
+        _dynamic_copy_kernel,
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((8, 128), lambda i, *_: (i, 0)),
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())]),
+        interpret=pltpu.InterpretParams() if interpret else False, name="dynamic_copy")(rows, x)
+
+
+def test_runs_only_the_control_and_counts_copies_of_any_size():
+    """The profile runs the kernel's control alone: the vector work (here a ref reshape, which
+    Pallas's interpreter cannot run) is cut out; a copy whose rows are a value reports its bytes
+    as it runs."""
+    rows, x = jnp.array([3, 5], jnp.int32), jnp.zeros((8, 128), jnp.float32)
+    with pytest.raises(Exception):
+        jax.block_until_ready(_dynamic_copy(rows, x, interpret=True))
+    (p,) = kernel_profile.profile(_dynamic_copy, rows, x)
+    assert p.dma_bytes().tolist() == [3 * 128 * 4, 5 * 128 * 4]
+
+
+def _vmem_control_kernel(x_ref, o_ref):
+    trips = x_ref[0, 0].astype(jnp.int32)  # a loop bound read from VMEM, which the profile does not keep
+    o_ref[...] = jnp.full(o_ref.shape, jax.lax.fori_loop(0, trips, lambda i, a: a + 1.0, 0.0), o_ref.dtype)
+
+
+def test_control_read_from_vector_memory_is_refused():
+    call = lambda x: pl.pallas_call(_vmem_control_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x)
+    with pytest.raises(NotImplementedError, match="not SMEM"):
+        kernel_profile.profile(call, jnp.ones((8, 128), jnp.float32))
 
 
 def test_jax_paged_attention_loops_over_each_sequences_blocks():
@@ -92,4 +134,4 @@ def test_profile_runs_map_onto_the_compiled_schedule():
     assert runs.tolist() == [[2], [0], [5]]
     body = schedule.controls[0].own_cycles
     assert body > 0
-    assert schedule.profiled_step_cycles(runs).tolist() == [schedule.uncontrolled_cycles + t * body for t in (2, 0, 5)]
+    assert p.step_cycles(schedule).tolist() == [schedule.uncontrolled_cycles + t * body for t in (2, 0, 5)]

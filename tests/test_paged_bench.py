@@ -20,12 +20,12 @@ def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path
     monkeypatch.setattr(paged_bench, "BATCHES", [paged_bench.Batch("mixed 8 dec + 1 x 64 pre, 1k", 8, 1, 64, 1024)])
     monkeypatch.setattr(tuning, "TUNED", {})
     assert paged_bench.main(["--models", "Llama-3-8B", "--generations", "v6e", "--out", str(tmp_path)]) == 0
-    bf16, fp8, anchor, decode_only = json.loads((tmp_path / "paged_attention.json").read_text())
-    assert [(r["impl"], r["cache"]) for r in (bf16, fp8, anchor, decode_only)] == [
+    bf16, fp8, anchor, decode_only, jax_rpa, tpu_inference = json.loads((tmp_path / "paged_attention.json").read_text())
+    assert [(r["impl"], r["cache"]) for r in (bf16, fp8, anchor, decode_only, jax_rpa, tpu_inference)] == [
         ("ours", "bfloat16"), ("ours", "float8_e4m3fn"), (paged_bench.TRANSFORMERS, "bfloat16"),
-        (paged_bench.JAX_PAGED, "bfloat16")]
+        (paged_bench.JAX_PAGED, "bfloat16"), (paged_bench.JAX_RPA, "bfloat16"), (paged_bench.TPU_INFERENCE, "bfloat16")]
     assert decode_only["error"].startswith("n/a: decode only")
-    for r in (bf16, fp8, anchor):
+    for r in (bf16, fp8, anchor, jax_rpa, tpu_inference):
         assert r["compiles"] and r["regions_mapped"], r
         assert r["modeled_us"] == pytest.approx(r["kernel_us"] + r["around_us"])
         assert r["kernel_us"] >= max(r["compute_us"], r["dma_us"]) and r["modeled_us"] >= r["floor_us"]
@@ -39,6 +39,8 @@ def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path
     assert "NOT measured on a TPU" in table
     assert "page copies against bf16's on the same batch: 0.500 to 0.500x" in table
     assert f"Ours (bf16) against {paged_bench.TRANSFORMERS}: " in table
+    assert f"Ours (bf16) against {paged_bench.TPU_INFERENCE}: " in table
+    assert "Ours (bf16) no slower than the best anchor on every shape: " in table
 
 
 def test_jax_paged_attention_anchor_copies_its_pages_and_prefetches_once_per_step():
@@ -70,3 +72,28 @@ def test_jax_paged_attention_runs_one_prefetch_per_step():
     # A step pays its region less the children that do not run; a step that skips it, none of it.
     cycles = schedule.step_cycles(cost.when_runs, {0: runs})
     assert cycles.tolist() == [300, 1000 - 12, 1000 - 312, 300, 1000 - 612]
+
+
+def test_profiled_anchors_move_what_their_copies_say():
+    """The anchors whose loops run as their data says, profiled on a small decode batch and mapped
+    onto their compiled loops and branches. jax's ragged_paged_attention copies whole blocks of
+    pages (K and V interleaved) for each sequence; tpu-inference's kernel copies exactly the K and
+    V each sequence holds, and its head_dim 64 variant (gpt-oss, with sinks) runs a grid whose size
+    is a value. Both add q and out."""
+    batch = paged_bench.Batch("decode 8 x 1k", 8, 0, 0, 1024)
+    shape = paged_bench.SHAPES[0]
+    q_out = 2 * batch.tokens * shape.q_heads * shape.head_dim * 2
+    kv_lens = batch.routing()["kv_lens"]
+    jax_rpa = paged_bench.measure_jax_ragged_paged_attention(shape, batch, "v6e")
+    assert jax_rpa["compiles"] and jax_rpa["regions_mapped"], jax_rpa
+    block = int(jax_rpa["tiling"].split(" x ")[1].split()[0]) * batch.page_size  # keys per block
+    copied = int((-(-kv_lens // block)).sum()) * block * 2 * shape.kv_heads * shape.head_dim * 2
+    assert jax_rpa["hbm_bytes"] == copied + q_out
+    assert jax_rpa["modeled_us"] >= jax_rpa["floor_us"]
+    tpu_inference = paged_bench.measure_tpu_inference(shape, batch, "v6e")
+    assert tpu_inference["compiles"] and tpu_inference["regions_mapped"], tpu_inference
+    assert tpu_inference["hbm_bytes"] == tpu_inference["kv_held_bytes"] + q_out
+    assert tpu_inference["around_us"] < 1  # its cache held and returned in place: no copy of it
+    gpt_oss = paged_bench.measure_tpu_inference(paged_bench.SHAPES[2], batch, "v6e")
+    assert gpt_oss["compiles"] and gpt_oss["regions_mapped"] and gpt_oss["grid_steps"] == batch.seqs, gpt_oss
+    assert paged_bench.measure_jax_ragged_paged_attention(paged_bench.SHAPES[2], batch, "v6e")["error"] == "n/a: no sinks"
