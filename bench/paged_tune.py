@@ -11,7 +11,8 @@ its own schedule, its bytes) on 8 KV heads with 4 query heads each:
 - the decode kernel's keys per chunk, on a decode batch (64 sequences, 8k);
 - the prefill kernel's query rows and keys per chunk, on a prefill batch
   (4 chunks of 512 new tokens, 8k).
-and keeps the fastest that compiles and whose step list fits SMEM at the
+and keeps the fastest that compiles (smaller blocks are tried only where none
+fits the default scoped VMEM) and whose step list fits SMEM at the
 table's limits (1024 batched tokens, 256 sequences, 32k context).
 
 Evidence goes to bench/results/paged_tuning_<generation>.json, the table to
@@ -38,6 +39,8 @@ KV_HEADS, GROUPS = 8, 4
 # and 128-row prefill blocks well behind these (1.2x and 1.5x the best).
 DECODE_KEYS = (512, 1024, 2048)
 PREFILL = ((256, 512), (256, 1024), (512, 1024))  # (query rows, keys)
+# Tried only where none of those fits the generation's default scoped VMEM (v5e's 16 MiB at head_dim 256).
+SMALLER = {"decode": ((0, 256),), "prefill": ((128, 256), (128, 512))}
 LIMITS = tuning.SERVING_LIMITS  # batched tokens, sequences, context
 RESULTS = paged_bench.BENCH / "results"
 TABLE = paged_bench.REPO / "paged_attention" / "tuned_blocks.py"
@@ -48,13 +51,13 @@ def rating_batches(page_size: int) -> dict[str, paged_bench.Batch]:
                 prefill=paged_bench.Batch("prefill 4 x 512, 8k", 0, 4, 512, 8192, page_size))
 
 
-def candidates(kind: str, page_size: int) -> dict[tuple[int, int], BlockSizes]:
+def candidates(kind: str, page_size: int, smaller: bool = False) -> dict[tuple[int, int], BlockSizes]:
     """(rows, keys) -> the kernel's blocks, one per distinct choice at this page size."""
     if kind == "decode":
         return {(0, keys): BlockSizes(tuning.decode_block_q(GROUPS), keys // page_size)
-                for keys in DECODE_KEYS if keys >= page_size}
+                for _, keys in (SMALLER[kind] if smaller else [(0, k) for k in DECODE_KEYS]) if keys >= page_size}
     return {(rows, keys): BlockSizes(tuning.prefill_block_q(rows, GROUPS), keys // page_size)
-            for rows, keys in PREFILL if keys >= page_size}
+            for rows, keys in (SMALLER[kind] if smaller else PREFILL) if keys >= page_size}
 
 
 def fits_smem_at_limits(kind: str, blocks: BlockSizes, page_size: int) -> bool:
@@ -69,15 +72,18 @@ def tune_entry(head_dim: int, page_size: int, cache_dtype: str, generation: str)
     record = dict(key=[head_dim, page_size, cache_dtype], generation=generation)
     for kind, batch in rating_batches(page_size).items():
         rated = {}
-        for choice, blocks in candidates(kind, page_size).items():
-            if not fits_smem_at_limits(kind, blocks, page_size):
-                rated[choice] = dict(error="step list past SMEM at the table's limits")
-                continue
-            row = paged_bench.measure(shape, batch, generation, jnp.dtype(cache_dtype), blocks)
-            rated[choice] = {k: v for k, v in row.items() if k in (
-                "modeled_us", "compute_us", "dma_us", "around_us", "vmem_used", "error")}
-            print(f"  {kind} {choice}: " + (f"{row['modeled_us']:.1f} us" if "modeled_us" in row else row["error"]),
-                  flush=True)
+        for smaller in (False, True):
+            for choice, blocks in candidates(kind, page_size, smaller).items():
+                if not fits_smem_at_limits(kind, blocks, page_size):
+                    rated[choice] = dict(error="step list past SMEM at the table's limits")
+                    continue
+                row = paged_bench.measure(shape, batch, generation, jnp.dtype(cache_dtype), blocks)
+                rated[choice] = {k: v for k, v in row.items() if k in (
+                    "modeled_us", "compute_us", "dma_us", "around_us", "vmem_used", "error")}
+                print(f"  {kind} {choice}: " + (f"{row['modeled_us']:.1f} us" if "modeled_us" in row else row["error"]),
+                      flush=True)
+            if any("modeled_us" in r for r in rated.values()):
+                break
         ok = {c: r for c, r in rated.items() if "modeled_us" in r}
         if not ok:
             raise RuntimeError(f"no {kind} candidate compiles for {record['key']} on {generation}")
