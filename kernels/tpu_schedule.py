@@ -183,6 +183,12 @@ def _controls(loops: list[Loop], regions: list[Region], stage: Region | None, ov
                                                           if (r.start, r.end) not in loop_spans]
     spans = sorted({x for x in spans if stage is not None and stage.start <= x[1] and x[2] <= stage.end
                     and (x[1], x[2]) != (stage.start, stage.end)}, key=lambda x: (x[1], -x[2]))
+    # A branch that spans a loop to within a few bundles at both ends (inside it, around it, or
+    # across one of its ends) tests the loop's trips: the loop's own test, or its guard. Its bundles
+    # count with the loop or with what holds it.
+    near = lambda a, b: abs(a - b) <= 2 * BRANCH_DELAY_SLOTS
+    spans = [x for x in spans if x[0] == "loop" or not any(
+        y[0] == "loop" and near(x[1], y[1]) and near(x[2], y[2]) for y in spans)]
 
     def own_cycles(spans):
         controlled = np.zeros(bundles, np.int64)  # the innermost control each bundle is in, + 1
