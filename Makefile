@@ -24,7 +24,8 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) kernels/demo.py
 
-test: $(STAMP)
+# The tests run the bench's anchors too (tokamax, tpu-inference): they need its requirements.
+test: $(BENCH_STAMP)
 	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25
 
 build: $(STAMP)
