@@ -42,6 +42,8 @@ from jax._src.state import indexing
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+LANES = 128
+
 INTERPRET = pltpu.InterpretParams()  # the TPU interpreter: SMEM persists across grid steps
 
 
@@ -71,29 +73,39 @@ class KernelProfile:
         not it runs, so they count with what holds it) has no control, and is passed over; a
         loop never is. A match keeps the nesting both ways: a control's node runs inside the
         nodes of the controls that hold it, and inside no other matched node. The first match
-        in program order is taken."""
+        in program order is taken. Branches Mosaic lays out after the kernel's own, holding
+        none of them (the pipeline's write-back of a block-spec'd output), match no node: they
+        count as running at every step."""
         nodes = [i for i, n in enumerate(self.nodes) if n.kind != "dma" and not n.empty]
         controls = schedule.program_controls if self.one_step else schedule.controls
         holders = [{k for k in range(j) if controls[k].start <= c.start and c.end <= controls[k].end}
                    for j, c in enumerate(controls)]
+        holding = set().union(*holders)
+        mosaic = 0  # trailing top-level branches that hold nothing: maybe Mosaic's
+        while mosaic < len(controls) and controls[-1 - mosaic].kind == "branch" and not holders[-1 - mosaic] \
+                and len(controls) - 1 - mosaic not in holding:
+            mosaic += 1
 
-        def search(j: int, at: int, matched: list[int]) -> list[int] | None:
-            if j == len(controls):
+        def search(j: int, at: int, matched: list[int], end: int) -> list[int] | None:
+            if j == end:
                 return matched if not any(self.nodes[i].kind == "loop" for i in nodes[at:]) else None
             for k in range(at, len(nodes)):
                 node = self.nodes[nodes[k]]
                 if node.kind == controls[j].kind:
                     ancestors = set(self._ancestors(nodes[k]))
                     if {m for m, i in enumerate(matched) if i in ancestors} == holders[j]:
-                        found = search(j + 1, k + 1, matched + [nodes[k]])
+                        found = search(j + 1, k + 1, matched + [nodes[k]], end)
                         if found is not None:
                             return found
                 if node.kind == "loop":
                     return None
             return None
 
-        matched = search(0, 0, [])
-        return None if matched is None else self.counts[:, matched]
+        for left in range(mosaic + 1):
+            matched = search(0, 0, [], len(controls) - left)
+            if matched is not None:
+                return np.concatenate([self.counts[:, matched], np.ones((len(self.counts), left), np.int64)], axis=1)
+        return None
 
     @property
     def one_step(self) -> bool:
@@ -198,6 +210,8 @@ class _Instrumenter:
         static = [d for d in src_aval.shape if isinstance(d, int)]
         if len(static) + len(sizes) != len(src_aval.shape):
             raise NotImplementedError(f"a DMA of shape {src_aval.shape} whose sizes are not its slices'")
+        if len(src_aval.shape) > 1 and src_aval.shape[-1] == static[-1] < LANES:
+            static[-1] = LANES  # a row of fewer lanes fills a whole 128-lane tile in memory, and moves it
         itemsize = np.dtype(src_aval.dtype).itemsize
         index = self._node(Node("dma", parent, reads_hbm=_in_hbm(src_aval) and not _in_hbm(dst_aval)))
         report = lambda *n: self._report(index, math.prod(static) * itemsize * math.prod(int(x) for x in n))

@@ -6,9 +6,10 @@ for our kernel:
 
 - whether libtpu compiles it for that generation, and its VMEM;
 - the HBM bytes its grid moves (block-spec'd operands from the grid walk,
-  bench/grid_walk.py; the page copies the kernel starts itself, from its
-  step list and `kernel.chunk_pages`) against the K and V the sequences
-  actually hold plus q and out;
+  bench/grid_walk.py; the page copies the kernel starts itself in its own
+  loops, counted by running its control on the batch,
+  bench/kernel_profile.py) against the K and V the sequences actually hold
+  plus q and out;
 - a modeled time read from the compiled kernel's own schedule and those
   bytes, combined as the pipeline runs them (bench/pipeline.py), plus the
   XLA ops around it (the step list, the layout changes);
@@ -126,23 +127,6 @@ def held_bytes(shape: AttentionShape, batch: Batch, routing: dict, cache_itemsiz
     return dict(kv=kv, q_out=q_out)
 
 
-def page_copy_bytes(cost, prefetch: dict, blocks, page_size: int, page_bytes: int) -> np.ndarray:
-    """Per grid step, the bytes of the page copies it waits for (started by the step before): the
-    kernel's own rule (`kernel.chunk_pages`) over its step list."""
-    from paged_attention import kernel
-
-    parts, steps = cost.grid
-    part = np.repeat(np.arange(parts), steps)
-    i = np.tile(np.arange(steps), parts)
-    count = prefetch["part_count"][part]
-    g = prefetch["part_first"][part] + np.clip(i, 0, np.maximum(count - 1, 0))
-    runs = (i < count) & (prefetch["works"][g] == 1)
-    seq = prefetch["seq"][g]
-    first, end = (np.asarray(x) for x in kernel.chunk_pages(prefetch["kv_lens"][seq], prefetch["seq_lo"][seq],
-                                                            prefetch["chunk"][g], blocks.pages_per_block, page_size))
-    return np.where(runs, end - np.minimum(first, end), 0).astype(np.int64) * page_bytes
-
-
 def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blocks=None):
     """fn(q, k_cache, v_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs) of our kernel."""
     from paged_attention import ops
@@ -162,39 +146,20 @@ def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blo
 
 def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jnp.bfloat16, blocks=None) -> dict:
     """Our kernels' compile, bytes and modeled time on one batch (blocks None: the default path,
-    decode sequences and the others in kernels of their own)."""
-    gen = GENERATIONS[generation]
+    decode sequences and the others in kernels of their own). A step copies and waits for its
+    chunk's pages in loops whose trips are the pages it needs: counted as they run, as the anchors'
+    (`measure_profiled`)."""
     routing = batch.routing()
-    from paged_attention import kernel
-
     data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
             *cache_specs(shape, routing, batch, cache_dtype), ((shape.q_heads,), jnp.float32)]
     index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
-    specs = data + [(np.shape(a), jnp.int32) for a in index]
     fn = ours(shape, routing, generation, cache_dtype, blocks)
-    page_bytes = 2 * kernel.page_bytes(batch.page_size, shape.kv_heads, shape.head_dim, cache_dtype)  # K and V
-    try:
-        args = [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
-        costs, tilings = [], []
-        for eqn, invals in grid_walk.pallas_calls(fn, *args):
-            cost = grid_walk.analyze_call(eqn, invals, gen.mxu_width)
-            prefetch = dict(zip(("part_first", "part_count", "block", "seq", "chunk", "works", "kv_lens", "seq_lo"),
-                                (np.asarray(v) for v in invals[1:9])))
-            kernel_blocks = _blocks_of(eqn, shape)
-            pages = page_copy_bytes(cost, prefetch, kernel_blocks, batch.page_size, page_bytes)
-            cost.fetch_bytes = cost.fetch_bytes + pages
-            cost.hbm_bytes += int(pages.sum())
-            cost.bytes_by_operand["page copies"] = int(pages.sum())
-            costs.append(cost)
-            tilings.append(f"{cost.name.removeprefix(KERNEL_NAME).strip('_') or 'all'} "
-                           f"{kernel_blocks.block_q}q x {kernel_blocks.pages_per_block}p")
-        report = tpu_compile.compile_for(fn, specs, generation, KERNEL_NAME)
-        parts = pipeline.program_seconds(costs, report.schedules, generation)
-    except Exception as err:  # noqa: BLE001  (a row says what failed)
-        return dict(error=str(err).splitlines()[0][:200])
-    held = held_bytes(shape, batch, routing, jnp.dtype(cache_dtype).itemsize)
-    return dict(figures(costs, report, parts, held, generation), tiling=" + ".join(tilings),
-                page_copy_bytes=sum(c.bytes_by_operand["page copies"] for c in costs))
+    row = measure_profiled(fn, data, index, _profile_args(data, index, (1, 2), routing), shape, batch, routing,
+                           generation, KERNEL_NAME, kv_itemsize=jnp.dtype(cache_dtype).itemsize,
+                           describe=lambda eqn, cost: f"{cost.name.removeprefix(KERNEL_NAME).strip('_') or 'all'} "
+                                                      f"{_blocks_of(eqn, shape).block_q}q x "
+                                                      f"{_blocks_of(eqn, shape).pages_per_block}p")
+    return row
 
 
 def figures(costs, report, parts: dict, held: dict, generation: str) -> dict:
@@ -337,31 +302,39 @@ JAX_RPA_PAGES = (8, 16, 32, 64)
 
 
 def measure_profiled(fn, data: list, index: list, profile_args: list, shape: AttentionShape, batch: Batch,
-                     routing: dict, generation: str, kernel_name: str, **compile_options) -> dict:
+                     routing: dict, generation: str, kernel_name: str, kv_itemsize: int = 2, describe=None,
+                     **compile_options) -> dict:
     """An anchor kernel whose loops run as its data says (bench/kernel_profile.py): its compile, its
     schedule's loops and branches counted as they ran on this batch, the bytes its copies moved
     (its own DMAs' sizes, as they ran), combined by `pipeline.kernel_seconds`. data: (shape, dtype)
     of its array operands, index: its index arrays (concrete), following them; profile_args: all
     its arguments for the profile (concrete: zeros, caches of PROFILE_PAGES pages and the page
-    indices wrapped into them). compile_options: `tpu_compile.compile_for`'s (a cache donated and
-    returned in place)."""
+    indices wrapped into them). kv_itemsize: the cache's bytes per element. describe(eqn, cost):
+    a kernel's tiling, for the row. compile_options: `tpu_compile.compile_for`'s (a cache donated
+    and returned in place)."""
     import kernel_profile
 
     gen = GENERATIONS[generation]
     try:
         args = [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
-        costs = grid_walk.kernel_costs(fn, args, gen.mxu_width)
+        calls = grid_walk.pallas_calls(fn, *args)
+        costs = [grid_walk.analyze_call(eqn, invals, gen.mxu_width) for eqn, invals in calls]
         profiles = kernel_profile.profile(fn, *profile_args)
         if [c.name for c in costs] != [p.name for p in profiles]:
             raise RuntimeError(f"profiled {[p.name for p in profiles]}, walked {[c.name for c in costs]}")
-        for cost, prof in zip(costs, profiles):
-            cost.hbm_bytes += int(prof.dma_bytes().sum() + prof.dma_bytes(reads_hbm=False).sum())
+        own = [int(prof.dma_bytes().sum() + prof.dma_bytes(reads_hbm=False).sum()) for prof in profiles]
+        for cost, copied in zip(costs, own):
+            cost.hbm_bytes += copied
         report = tpu_compile.compile_for(fn, data + [(np.shape(a), jnp.int32) for a in index], generation,
                                          kernel_name, **compile_options)
         parts = pipeline.program_seconds(costs, report.schedules, generation, profiles=profiles)
     except Exception as err:  # noqa: BLE001  (a row says what failed)
         return dict(error=str(err).splitlines()[0][:200])
-    return figures(costs, report, parts, held_bytes(shape, batch, routing, 2), generation)
+    row = dict(figures(costs, report, parts, held_bytes(shape, batch, routing, kv_itemsize), generation),
+               page_copy_bytes=sum(own))
+    if describe is not None:
+        row["tiling"] = " + ".join(describe(eqn, cost) for (eqn, _), cost in zip(calls, costs))
+    return row
 
 
 def _profile_args(data: list, index: list, caches: tuple[int, ...], routing: dict) -> list:
@@ -520,8 +493,9 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "# paged_attention: modeled performance (NOT measured on a TPU)",
         "",
         "Modeled time is read from our compiled kernels (bench/pipeline.py): libtpu's final bundles give",
-        "each grid step's issue cycles; the bytes each step waits for are its block-spec'd operands (grid",
-        "walk) and the pages it copies itself (its step list). `floor`: the K/V the sequences hold plus q",
+        "each grid step's issue cycles, its loops counted as they run on the batch (bench/kernel_profile.py,",
+        "below); the bytes each step waits for are its block-spec'd operands (grid walk) and the pages it",
+        "copies itself (as that run counts them). `floor`: the K/V the sequences hold plus q",
         "and out, at full HBM bandwidth; `HBM / held`: bytes moved over those (kernels only; XLA's ops are",
         "in `around`). 16-token pages; q in bf16. The anchors: transformers' continuous batching off CUDA,",
         "which gathers each sequence's context out of the pages, then runs a varlen flash attention (ours,",

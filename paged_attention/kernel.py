@@ -5,7 +5,8 @@ as rows, token-major: q [T, Hq, D] is seen as [Hkv, T * G, D], so one K/V
 chunk serves every head of its group in one matmul. The caches stay in
 their own layout [pages, page_size, Hkv, D] in HBM; a step copies the pages
 of one chunk (`pages_per_block` pages of one sequence, every KV head) into
-VMEM, one DMA per page, while the previous chunk is computed (two buffers).
+VMEM, one DMA per page, in a loop over the pages its tokens see, while the
+previous chunk is computed (two buffers).
 
 Grid (parts, steps). The packed query tokens are cut into blocks of block_q
 tokens; a block holds the tokens of one or more sequences. A step pairs a
@@ -63,6 +64,9 @@ class Options:
     windowed: bool  # a sliding window: pages before a sequence's window start are not copied
 
 
+PAGES_PER_TRIP = 8  # page copies a loop trip starts (v6e: 46 issue cycles a page one to a trip, 33 eight to a trip)
+
+
 def lane_tiles(d: int) -> int:
     """Rows a head's key of d lanes takes in the kernel's view of a page: Mosaic's strided load
     wants rows of at most 128 lanes, so a key of 256 lanes is two rows of 128."""
@@ -111,26 +115,46 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     slot = i % 2
     window_start = lambda seq: seq_lo[seq] if opts.windowed else None
 
-    def copies(step, pages, into):
-        """The chunk's page copies, each with whether it runs (pages no new token sees do not)."""
+    rows = k_buf.shape[1] // ppb  # a page's rows in the buffers
+    unroll = min(PAGES_PER_TRIP, ppb)
+
+    def chunk_range(step):
+        """The pages of the step's chunk that its new tokens see. None is past kv_len or out of
+        the cache: ops runs no sequence when an index it uses is out of range."""
         seq = step_seq[step]
-        first, end = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[step], ppb, page_size)
-        # A page index out of range is never copied (ops reports it: the output is NaN). Without a
-        # window, no compare with first (0): a decode step's scalar work bounds its time.
-        seen = lambda p: (p >= first) & (p < end) if opts.windowed else p < end
-        runs = lambda p: seen(p) & (pages[0, p] >= 0) & (pages[0, p] < k_hbm.shape[0])
-        rows = k_buf.shape[1] // ppb
-        return [(runs(p),
-                 pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, pl.ds(p * rows, rows)], sems.at[kind, into]))
-                for p in range(ppb) for kind, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+        return chunk_pages(kv_lens[seq], window_start(seq), step_chunk[step], ppb, page_size)
+
+    def loop(trips, body):
+        jax.lax.fori_loop(0, trips, lambda j, carry: (body(j), carry)[1], None)
+
+    def buffers():
+        return enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))
 
     def start(step, pages, into):
-        for runs, copy in copies(step, pages, into):
-            pl.when(runs)(copy.start)
+        """A copy per page, `unroll` to a trip (a guarded copy per page spent a branch on each)."""
+        first, end = chunk_range(step)
+        full = (end - first) // unroll
 
-    def wait(step, pages, into):
-        for runs, copy in copies(step, pages, into):
-            pl.when(runs)(copy.wait)
+        def copy(p):
+            for kind, (src, buf) in buffers():
+                pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, pl.ds(p * rows, rows)],
+                                      sems.at[kind, into]).start()
+
+        loop(full, lambda j: [copy(first + j * unroll + u) for u in range(unroll)])
+        loop(end - first - full * unroll, lambda j: copy(first + full * unroll + j))
+
+    def wait(step, into):
+        """A wait counts bytes, whichever pages they were: one wait per `unroll` pages."""
+        first, end = chunk_range(step)
+        full = (end - first) // unroll
+
+        def wait_pages(n):
+            for kind, (_, buf) in buffers():
+                pltpu.make_async_copy(buf.at[into, pl.ds(0, n * rows)], buf.at[into, pl.ds(0, n * rows)],
+                                      sems.at[kind, into]).wait()
+
+        loop(full, lambda _: wait_pages(unroll))
+        loop(end - first - full * unroll, lambda _: wait_pages(1))
 
     @pl.when(runs & (i == 0) & (step_works[g] == 1))
     def _first_copy():
@@ -157,7 +181,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
 
     @pl.when(runs & (step_works[g] == 1))
     def _step():
-        wait(g, pages_now, slot)
+        wait(g, slot)
         seq, first = step_seq[g], step_chunk[g] * chunk
         first_key = seq * opts.key_stride + first
         cols = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], chunk), 1)

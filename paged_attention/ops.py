@@ -251,8 +251,12 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     options = dict(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
                    has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
                    page_size=page_size, windowed=bool(sliding_window))
+    valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, page_indices.shape[1] * page_size)
+    # Invalid index values: the kernels run no sequence, so that no copy reads outside the cache
+    # (the kernel's copies trust the page indices of the sequences they run).
+    run_seqs = jnp.where(valid, num_seqs, 0)
     attend = lambda blocks, only=None: _attend(
-        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sliding_window, options, blocks,
+        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, run_seqs, sinks, sliding_window, options, blocks,
         only, generation, interpret)
     if blocks is not None:
         out = attend(blocks)
@@ -260,13 +264,12 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
         # Decode sequences in 8-row blocks, the others in larger ones: two kernels over one batch,
         # each stepping through its own sequences only; a token takes its sequence's kernel's row.
         table = (groups, page_size, page_indices.shape[1], d, k_cache.dtype, generation, sliding_window)
-        _, seq, live = token_seqs(cu_q_lens, num_seqs, t)
+        _, seq, live = token_seqs(cu_q_lens, run_seqs, t)
         single = (cu_q_lens[seq + 1] - cu_q_lens[seq] == 1)[:, None, None]
         # The prefill kernel first: its step list is the longer, so an SMEM refusal names its count.
         prefill = attend(tuning.prefill_blocks(*table), "prefill")
         out = jnp.where(single, attend(tuning.decode_blocks(*table), "decode"), prefill)
         out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
-    valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, page_indices.shape[1] * page_size)
     return jnp.where(valid, out, jnp.nan)
 
 

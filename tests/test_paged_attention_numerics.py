@@ -245,6 +245,19 @@ def test_kernel_passes_the_tpu_interpreter(case):
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
 
 
+def test_a_page_index_out_of_the_cache_is_never_copied():
+    """The kernel copies the pages of the sequences it runs without checking each index: with one
+    used page past the cache, ops runs none, the output is NaN, and the TPU interpreter (which
+    fails a copy outside its array) sees no copy."""
+    (q, k_cache, v_cache, kv_lens, page_indices, cu, live), options = _inputs(CASES[2], jnp.float32)
+    page_indices = page_indices.at[1, 1].set(k_cache.shape[0])
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    out = ops.ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu, live, blocks=CASES[2][7],
+                                     interpret=params, **options)
+    pltpu.reset_tpu_interpret_mode_state()
+    assert bool(jnp.isnan(out).all())
+
+
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8], ids=["bf16", "fp8", "int8"])
 def test_cache_write_puts_each_token_at_its_slot(cache_dtype):
     """New tokens land at their slots (shuffled over pages, rows anywhere in a page), -1

@@ -10,6 +10,8 @@ import pytest
 import paged_bench
 import tpu_schedule
 from paged_attention import tuning
+from paged_attention.kernel import BlockSizes
+from runtime.generations import GENERATIONS
 
 
 def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path, monkeypatch):
@@ -101,3 +103,18 @@ def test_profiled_anchors_move_what_their_copies_say(generation):
         assert gpt_oss["compiles"] and gpt_oss["regions_mapped"] and gpt_oss["grid_steps"] == batch.seqs, gpt_oss
         no_sinks = paged_bench.measure_jax_ragged_paged_attention(paged_bench.SHAPES[2], batch, generation)
         assert no_sinks["error"] == "n/a: no sinks"
+
+
+def test_our_page_loops_count_each_trip():
+    """Our kernel copies and waits for a chunk's pages in loops of as many trips as the chunk has
+    pages to copy (its profile counts them): on the same grid (one 64-page chunk per sequence),
+    twice the context issues at least a few cycles more per extra page (a schedule read without
+    the profile counts a loop whose trip count is a value once)."""
+    shape, clock = paged_bench.SHAPES[0], GENERATIONS["v6e"].clock_hz
+    batches = [paged_bench.Batch(f"decode 8 x {n}", 8, 0, 0, n) for n in (512, 1024)]
+    short, long = (paged_bench.measure(shape, b, "v6e", blocks=BlockSizes(2, 64)) for b in batches)
+    assert short["grid_steps"] == long["grid_steps"]
+    pages = [int((-(-b.routing()["kv_lens"] // b.page_size)).sum()) for b in batches]
+    assert long["page_copy_bytes"] * pages[0] == short["page_copy_bytes"] * pages[1]
+    extra_cycles = (long["compute_us"] - short["compute_us"]) * 1e-6 * clock
+    assert extra_cycles >= 16 * (pages[1] - pages[0])
