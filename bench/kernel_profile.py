@@ -64,8 +64,8 @@ class KernelProfile:
     counts: np.ndarray  # [grid steps, nodes] int64: runs of each node at each step (row-major steps)
     moved: np.ndarray  # [grid steps, nodes] int64: the bytes each DMA node moved at each step
 
-    def control_runs(self, schedule) -> np.ndarray | None:
-        """[grid steps, schedule.controls] (a grid of one step: schedule.program_controls): how many
+    def control_runs(self, schedule, whole_program: bool = False) -> np.ndarray | None:
+        """[grid steps, schedule.controls] (whole_program: schedule.program_controls): how many
         times each of the compiled kernel's loops and forward regions (kernels/tpu_schedule.py)
         runs at each step, or None when they cannot be matched to the profile's nodes. In program
         order, each control takes a later node of
@@ -77,7 +77,7 @@ class KernelProfile:
         none of them (the pipeline's write-back of a block-spec'd output), match no node: they
         count as running at every step."""
         nodes = [i for i, n in enumerate(self.nodes) if n.kind != "dma" and not n.empty]
-        controls = schedule.program_controls if self.one_step else schedule.controls
+        controls = schedule.program_controls if whole_program else schedule.controls
         holders = [{k for k in range(j) if controls[k].start <= c.start and c.end <= controls[k].end}
                    for j, c in enumerate(controls)]
         holding = set().union(*holders)
@@ -107,16 +107,16 @@ class KernelProfile:
                 return np.concatenate([self.counts[:, matched], np.ones((len(self.counts), left), np.int64)], axis=1)
         return None
 
-    @property
-    def one_step(self) -> bool:
-        """A grid of one step has no grid loop: the compiled program is the step."""
-        return len(self.counts) == 1
-
-    def step_cycles(self, schedule) -> np.ndarray | None:
-        """[grid steps] issue cycles of each step, its controls counted as they ran (None: the
-        profile does not match the compiled kernel's controls)."""
-        runs = self.control_runs(schedule)
-        return None if runs is None else schedule.profiled_step_cycles(runs, whole_program=self.one_step)
+    def step_cycles(self, schedule) -> tuple[np.ndarray, bool] | None:
+        """([grid steps] issue cycles of each step, its controls counted as they ran; whether the
+        whole program is the step), or None: the profile does not match the compiled controls.
+        A grid of one step may have no grid loop (its step is the whole program) or have one (a
+        grid whose size is a value, however few steps it runs): the first reading that matches."""
+        for whole in (True, False) if len(self.counts) == 1 else (False,):
+            runs = self.control_runs(schedule, whole)
+            if runs is not None:
+                return schedule.profiled_step_cycles(runs, whole_program=whole), whole
+        return None
 
     def _ancestors(self, index: int) -> list[int]:
         chain = []

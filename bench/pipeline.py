@@ -80,10 +80,12 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
     core = core_of_step(cost.grid, cost.dimension_semantics, gen.cores_per_device)
     active = int(core.max()) + 1
     own_bytes = np.zeros(cost.grid_steps, np.int64)
+    whole_program = False
     if profile is not None:
-        cycles = profile.step_cycles(schedule)
-        if cycles is None:
+        read = profile.step_cycles(schedule)
+        if read is None:
             raise RuntimeError(f"{cost.name}: its profile does not match its compiled loops and branches")
+        cycles, whole_program = read
         own_bytes = profile.dma_bytes() + profile.dma_bytes(reads_hbm=False)
         copies = np.where(own_bytes > 0, own_bytes / (gen.hbm_bytes_per_s / active) + DMA_LATENCY_S, 0.0)
         issue = cycles / gen.clock_hz
@@ -97,8 +99,8 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
         compute = issue = schedule.step_cycles(runs, child_runs) / gen.clock_hz
     per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
                                  gen.hbm_bytes_per_s / active) for c in range(active)]
-    # (A profiled grid of one step has no grid loop: its cycles are the whole program's already.)
-    fill_drain = 0.0 if profile is not None and profile.one_step else schedule.fill_drain_cycles / gen.clock_hz
+    # (A profile read as the whole program: its cycles are the program's already.)
+    fill_drain = 0.0 if profile is not None and whole_program else schedule.fill_drain_cycles / gen.clock_hz
     total = max(per_core) + fill_drain
     moved = cost.fetch_bytes.sum() + cost.write_bytes.sum() + own_bytes.sum()
     return {
