@@ -78,8 +78,7 @@ class KernelProfile:
         count as running at every step."""
         nodes = [i for i, n in enumerate(self.nodes) if n.kind != "dma" and not n.empty]
         controls = schedule.program_controls if whole_program else schedule.controls
-        holders = [{k for k in range(j) if controls[k].start <= c.start and c.end <= controls[k].end}
-                   for j, c in enumerate(controls)]
+        holders = [{k for k in range(j) if controls[k].holds(c)} for j, c in enumerate(controls)]
         holding = set().union(*holders)
         mosaic = 0  # trailing top-level branches that hold nothing: maybe Mosaic's
         while mosaic < len(controls) and controls[-1 - mosaic].kind == "branch" and not holders[-1 - mosaic] \

@@ -113,6 +113,12 @@ class Control:
     end: int
     own_cycles: int  # issue cycles of one run (a loop: of one trip), its nested controls left out
 
+    def holds(self, other: "Control") -> bool:
+        """other is nested in this one: it starts inside and ends by this one's end, give or take
+        the delay slots (on tpu7x a region's last loop may end a few bundles past the region's
+        forward jump)."""
+        return self.start <= other.start < self.end and other.end <= self.end + BRANCH_DELAY_SLOTS
+
 
 @dataclasses.dataclass
 class Schedule:
