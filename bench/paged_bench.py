@@ -154,12 +154,12 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
             *cache_specs(shape, routing, batch, cache_dtype), ((shape.q_heads,), jnp.float32)]
     index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
     fn = ours(shape, routing, generation, cache_dtype, blocks)
-    row = measure_profiled(fn, data, index, _profile_args(data, index, (1, 2), routing), shape, batch, routing,
-                           generation, KERNEL_NAME, kv_itemsize=jnp.dtype(cache_dtype).itemsize,
-                           describe=lambda eqn, cost: f"{cost.name.removeprefix(KERNEL_NAME).strip('_') or 'all'} "
-                                                      f"{_blocks_of(eqn, shape).block_q}q x "
-                                                      f"{_blocks_of(eqn, shape).pages_per_block}p")
-    return row
+    def tiling(eqn, cost):
+        blocks = _blocks_of(eqn, shape)
+        return f"{cost.name.removeprefix(KERNEL_NAME).strip('_') or 'all'} {blocks.block_q}q x {blocks.pages_per_block}p"
+
+    return measure_profiled(fn, data, index, _profile_args(data, index, (1, 2), routing), shape, batch, routing,
+                            generation, KERNEL_NAME, kv_itemsize=jnp.dtype(cache_dtype).itemsize, describe=tiling)
 
 
 def figures(costs, report, parts: dict, held: dict, generation: str) -> dict:
@@ -304,7 +304,7 @@ JAX_RPA_PAGES = (8, 16, 32, 64)
 def measure_profiled(fn, data: list, index: list, profile_args: list, shape: AttentionShape, batch: Batch,
                      routing: dict, generation: str, kernel_name: str, kv_itemsize: int = 2, describe=None,
                      **compile_options) -> dict:
-    """An anchor kernel whose loops run as its data says (bench/kernel_profile.py): its compile, its
+    """A kernel whose loops run as its data says (bench/kernel_profile.py): its compile, its
     schedule's loops and branches counted as they ran on this batch, the bytes its copies moved
     (its own DMAs' sizes, as they ran), combined by `pipeline.kernel_seconds`. data: (shape, dtype)
     of its array operands, index: its index arrays (concrete), following them; profile_args: all
