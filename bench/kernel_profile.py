@@ -42,7 +42,7 @@ from jax._src.state import indexing
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-LANES = 128
+from runtime.attention_math import LANES
 
 INTERPRET = pltpu.InterpretParams()  # the TPU interpreter: SMEM persists across grid steps
 

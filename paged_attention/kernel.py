@@ -118,11 +118,14 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     rows = k_buf.shape[1] // ppb  # a page's rows in the buffers
     unroll = min(PAGES_PER_TRIP, ppb)
 
-    def chunk_range(step):
-        """The pages of the step's chunk that its new tokens see. None is past kv_len or out of
-        the cache: ops runs no sequence when an index it uses is out of range."""
+    def page_trips(step):
+        """(first page, full trips of `unroll` pages, pages left) of the step's chunk: the pages its
+        new tokens see. None is past kv_len or out of the cache: ops runs no sequence when an index
+        it uses is out of range."""
         seq = step_seq[step]
-        return chunk_pages(kv_lens[seq], window_start(seq), step_chunk[step], ppb, page_size)
+        first, end = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[step], ppb, page_size)
+        full = (end - first) // unroll
+        return first, full, end - first - full * unroll
 
     def loop(trips, body):
         jax.lax.fori_loop(0, trips, lambda j, carry: (body(j), carry)[1], None)
@@ -132,8 +135,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
 
     def start(step, pages, into):
         """A copy per page, `unroll` to a trip (a guarded copy per page spent a branch on each)."""
-        first, end = chunk_range(step)
-        full = (end - first) // unroll
+        first, full, left = page_trips(step)
 
         def copy(p):
             for kind, (src, buf) in buffers():
@@ -141,12 +143,11 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
                                       sems.at[kind, into]).start()
 
         loop(full, lambda j: [copy(first + j * unroll + u) for u in range(unroll)])
-        loop(end - first - full * unroll, lambda j: copy(first + full * unroll + j))
+        loop(left, lambda j: copy(first + full * unroll + j))
 
     def wait(step, into):
         """A wait counts bytes, whichever pages they were: one wait per `unroll` pages."""
-        first, end = chunk_range(step)
-        full = (end - first) // unroll
+        _, full, left = page_trips(step)
 
         def wait_pages(n):
             for kind, (_, buf) in buffers():
@@ -154,7 +155,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
                                       sems.at[kind, into]).wait()
 
         loop(full, lambda _: wait_pages(unroll))
-        loop(end - first - full * unroll, lambda _: wait_pages(1))
+        loop(left, lambda _: wait_pages(1))
 
     @pl.when(runs & (i == 0) & (step_works[g] == 1))
     def _first_copy():

@@ -87,6 +87,28 @@ def test_runs_only_the_control_and_counts_copies_of_any_size():
     assert p.dma_bytes().tolist() == [3 * 128 * 4, 5 * 128 * 4]
 
 
+def test_rows_under_128_lanes_move_whole_tiles():
+    """A row of 64 lanes fills a 128-lane tile in memory (head_dim 64's cache): its copy moves
+    the tile."""
+    def kernel(n_ref, x_hbm, o_ref, buf, sem):
+        n = n_ref[pl.program_id(0)]
+        copy = pltpu.make_async_copy(x_hbm.at[pl.ds(0, n)], buf.at[pl.ds(0, n)], sem)
+        copy.start()
+        copy.wait()
+        o_ref[...] = buf[...]
+
+    rows, x = jnp.array([3, 5], jnp.int32), jnp.zeros((8, 64), jnp.float32)
+    narrow = lambda rows, x: pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((16, 64), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((8, 64), lambda i, *_: (i, 0)),
+            scratch_shapes=[pltpu.VMEM((8, 64), jnp.float32), pltpu.SemaphoreType.DMA(())]),
+        name="narrow_copy")(rows, x)
+    (p,) = kernel_profile.profile(narrow, rows, x)
+    assert p.dma_bytes().tolist() == [3 * 128 * 4, 5 * 128 * 4]
+
+
 def _vmem_control_kernel(x_ref, o_ref):
     trips = x_ref[0, 0].astype(jnp.int32)  # a loop bound read from VMEM, which the profile does not keep
     o_ref[...] = jnp.full(o_ref.shape, jax.lax.fori_loop(0, trips, lambda i, a: a + 1.0, 0.0), o_ref.dtype)
