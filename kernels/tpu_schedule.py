@@ -49,6 +49,9 @@ _OPCODE = re.compile(r"(?:=|\{|;;)\s+([a-z][\w.]*)")
 _DMA = re.compile(r"dma\.(\w+)_to_(\w+)\b[^;{}]*?size_in_granules=\*/([^,]+),(?:[^;{}]*?window_bounds: \(([\d, ]+)\)"
                   r"[^;{}]*?element_size_in_bytes: (\d+))?", re.S)
 _GENERAL_DMA = re.compile(r"\bdma\.general\b")
+# libtpu's run-time check of a DMA's addresses (a halt when out of bounds), unless Mosaic's
+# `disable_bounds_checks` is set.
+_BOUNDS_CHECK = re.compile(r"shalt\.err\b[^;{}]*?/\* BoundsCheck")
 DMA_GRANULE_BYTES = 32
 _OPERAND = re.compile(r"inlined_call_operand\.([^\s\[]+(?: memory space>)?) \[shape: (\w+)\[([\d,]*)\]")
 
@@ -140,6 +143,7 @@ class Schedule:
     hbm_dma_bytes: int | None = 0
     hbm_operand_bytes: int = 0
     operand_shapes: tuple[str, ...] = ()  # every operand and result, as "bf16[512,2048]"
+    bounds_checks: int = 0  # DMA bounds-check halts in the program (static count)
     # The compute stage's loops and forward regions in program order (outer before inner), and
     # the grid-loop iteration's cycles outside them: with a profile of each one's runs per step,
     # a step's cycles (`profiled_step_cycles`).
@@ -288,6 +292,7 @@ def read_schedule(text: str) -> Schedule:
     dma = np.array([b.hbm_dma_bytes() for b in bundles], np.int64).reshape(-1, 2)
     static = not dma[:, 1].any() and all(l.trip_count is not None for l in loops)
     hbm_bytes = int((every_loop * dma[:, 0]).sum()) if static else None
+    bounds_checks = sum(len(_BOUNDS_CHECK.findall(b.text)) for b in bundles)
     operand_bytes = sum(int(np.prod(shape)) * _ITEMSIZE.get(dtype, 4)
                         for space, dtype, shape in operands(bundles[0]) if space == "hbm")
     # The controls read with the whole program as one step: for a grid of one step, which has no
@@ -298,7 +303,7 @@ def read_schedule(text: str) -> Schedule:
     if grid_loop is None:
         return Schedule(len(bundles), total, None, total, 0, None, [], int((weight * is_matmul).sum()),
                         int((weight * is_push).sum()), sum(l.trip_count is None for l in inner), hbm_bytes,
-                        operand_bytes, shapes, program_controls=program_controls[0],
+                        operand_bytes, shapes, bounds_checks, program_controls=program_controls[0],
                         program_uncontrolled_cycles=program_controls[1])
     loop_span = span(grid_loop.start, grid_loop.end)
     in_loop = [region(a, t) for a, t in forward if grid_loop.start <= a and t <= grid_loop.end and a < t]
@@ -325,6 +330,7 @@ def read_schedule(text: str) -> Schedule:
         hbm_dma_bytes=hbm_bytes,
         hbm_operand_bytes=operand_bytes,
         operand_shapes=shapes,
+        bounds_checks=bounds_checks,
         controls=controls,
         uncontrolled_cycles=uncontrolled,
         program_controls=program_controls[0],

@@ -246,9 +246,9 @@ def test_kernel_passes_the_tpu_interpreter(case):
 
 
 def test_a_page_index_out_of_the_cache_is_never_copied():
-    """The kernel copies the pages of the sequences it runs without checking each index: with one
-    used page past the cache, ops runs none, the output is NaN, and the TPU interpreter (which
-    fails a copy outside its array) sees no copy."""
+    """The kernel copies the pages of the sequences it runs without checking each index (nor does
+    libtpu: its run-time bounds checks are off): with one used page past the cache, ops runs none,
+    the output is NaN, and the TPU interpreter (which fails a copy outside its array) sees no copy."""
     (q, k_cache, v_cache, kv_lens, page_indices, cu, live), options = _inputs(CASES[2], jnp.float32)
     page_indices = page_indices.at[1, 1].set(k_cache.shape[0])
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
