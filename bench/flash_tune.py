@@ -12,6 +12,12 @@ training step's attention (forward and backward, bf16, 8 KV heads), and
 keeps the fastest that compiles. A candidate is given as (query rows, keys)
 per block, rows being block_q tokens times G.
 
+head_dim 128 is rated over every candidate; head_dim 64 and 256 over the
+`FOLLOW` best of head_dim 128's ranking at the same G and length (all of them
+if none of those compiles): on v6e, where every head_dim was rated in full at
+2k and 8k, head_dim 128's best was the best at 64 and 256 in all 12 pairs. It
+saves about half of a generation's compiles.
+
 Evidence goes to bench/results/flash_tuning_<generation>.json, the table to
 flash_attention/tuned_blocks.py (generated from those files; do not edit it).
 """
@@ -33,6 +39,8 @@ GROUPS = tuning.TUNED_GROUPS
 TOKENS = tuning.TUNED_TOKENS
 KV_HEADS = 8
 CANDIDATES = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024), (4096, 512))  # (rows, keys)
+REFERENCE_HEAD_DIM = 128  # rated over every candidate, first
+FOLLOW = 2  # the other head_dims rate this many of its best
 RESULTS = flash_bench.BENCH / "results"
 TABLE = flash_bench.REPO / "flash_attention" / "tuned_blocks.py"
 
@@ -46,33 +54,51 @@ def candidate_blocks(rows: int, keys: int, groups: int, tokens: int) -> kernel.B
     return kernel.BlockSizes(block_q=block_q, block_k=keys)
 
 
-def tune_entry(head_dim: int, groups: int, tokens: int, generation: str) -> dict:
+def followed(reference: dict | None, groups: int) -> list[tuple[int, int]] | None:
+    """The (rows, keys) of the reference entry's FOLLOW fastest candidates, or None (rate them all)."""
+    if reference is None:
+        return None
+    ranked = sorted((c for c in reference["candidates"] if "modeled_us" in c), key=lambda c: c["modeled_us"])
+    return [(c["blocks"][0] * groups, c["blocks"][1]) for c in ranked[:FOLLOW]] or None
+
+
+def tune_entry(head_dim: int, groups: int, tokens: int, generation: str, reference: dict | None = None) -> dict:
+    """reference: head_dim 128's record at the same G and length, whose best candidates this
+    entry rates first (`followed`)."""
     from flash_attention import ops
     import jax.numpy as jnp
 
     shape = flash_bench.AttentionShape(f"d{head_dim} G{groups}", KV_HEADS * groups, KV_HEADS, head_dim)
     cu = jnp.asarray([0, tokens], jnp.int32)
     rated = {}
-    for rows, keys in CANDIDATES:
-        blocks = candidate_blocks(rows, keys, groups, tokens)
-        if blocks is None or (blocks.block_q, blocks.block_k) in rated:
-            continue
 
-        def attention(q, k, v, sinks, blocks=blocks):
-            return ops.flash_attention_varlen(q[0], k[0], v[0], cu, cu, causal=True, blocks=blocks,
-                                              generation=generation, interpret=False)[None]
+    def rate(candidates):
+        for rows, keys in candidates:
+            blocks = candidate_blocks(rows, keys, groups, tokens)
+            if blocks is None or (blocks.block_q, blocks.block_k) in rated:
+                continue
 
-        row = flash_bench.measure(flash_bench._program(attention, "fwd+bwd"), shape, tokens, generation,
-                                  flash_bench.KERNEL_NAME)
-        row.pop("costs", None)
-        rated[(blocks.block_q, blocks.block_k)] = row
-        print(f"  {blocks.block_q}x{blocks.block_k}: "
-              + (f"{row['modeled_us']:.1f} us" if "modeled_us" in row else row["error"]), flush=True)
-    ok = {b: r for b, r in rated.items() if "modeled_us" in r}
+            def attention(q, k, v, sinks, blocks=blocks):
+                return ops.flash_attention_varlen(q[0], k[0], v[0], cu, cu, causal=True, blocks=blocks,
+                                                  generation=generation, interpret=False)[None]
+
+            row = flash_bench.measure(flash_bench._program(attention, "fwd+bwd"), shape, tokens, generation,
+                                      flash_bench.KERNEL_NAME)
+            row.pop("costs", None)
+            rated[(blocks.block_q, blocks.block_k)] = row
+            print(f"  {blocks.block_q}x{blocks.block_k}: "
+                  + (f"{row['modeled_us']:.1f} us" if "modeled_us" in row else row["error"]), flush=True)
+        return {b: r for b, r in rated.items() if "modeled_us" in r}
+
+    first = followed(reference, groups)
+    ok = rate(first or CANDIDATES)
+    if first and not ok:  # none of the reference's best fits here: rate the rest
+        first, ok = None, rate(CANDIDATES)
     if not ok:
         raise RuntimeError(f"no candidate compiles for d={head_dim} G={groups} {tokens} tokens on {generation}")
     best = min(ok, key=lambda b: ok[b]["modeled_us"])
     return dict(key=[head_dim, groups, tokens], generation=generation, best=[best[0] * groups, best[1]],
+                **({"rated": f"the {len(first)} best of head_dim {REFERENCE_HEAD_DIM}"} if first else {}),
                 vmem_used=ok[best]["vmem_used"],
                 candidates=[dict(blocks=list(b), **{k: v for k, v in r.items() if k in (
                     "modeled_us", "compute_us", "dma_us", "around_us", "vmem_used", "error")}) for b, r in rated.items()])
@@ -122,13 +148,15 @@ def main(argv=None) -> int:
     for generation in [] if args.write_table else args.generations:
         path = results_file(generation)
         records = {tuple(r["key"]): r for r in (json.loads(path.read_text()) if path.exists() else [])}
-        for d in args.head_dims:
+        head_dims = sorted(args.head_dims, key=lambda d: d != REFERENCE_HEAD_DIM)  # the reference first
+        for t in args.tokens:
             for g in args.groups:
-                for t in args.tokens:
+                for d in head_dims:
                     if (d, g, t) in records and not args.redo:
                         continue
                     print(f"{generation} d={d} G={g} {t} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
-                    records[(d, g, t)] = tune_entry(d, g, t, generation)
+                    reference = None if d == REFERENCE_HEAD_DIM else records.get((REFERENCE_HEAD_DIM, g, t))
+                    records[(d, g, t)] = tune_entry(d, g, t, generation, reference)
                     path.write_text(json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")

@@ -61,3 +61,32 @@ def test_goals_say_na_without_a_compiling_anchor_and_skip_other_lengths():
     assert _verdicts([ours, failed]) == ["time no worse than the best anchor: n/a"]
     mha = _row("ours", 100.0, model="Llama-2-7B (MHA)", mxu_vs_dense=0.5, kv_reads_vs_query_blocks=3.0)
     assert len(flash_bench.goal_rows([mha])) == 2  # the K/V read goal is for GQA shapes
+
+
+def test_other_head_dims_rate_the_reference_entrys_best_candidates():
+    import flash_tune
+
+    reference = dict(candidates=[dict(blocks=[512, 512], modeled_us=30.0), dict(blocks=[256, 1024], modeled_us=10.0),
+                                 dict(blocks=[1024, 512], error="vmem"), dict(blocks=[512, 1024], modeled_us=20.0)])
+    assert flash_tune.followed(reference, groups=4) == [(1024, 1024), (2048, 1024)]  # (rows, keys), fastest first
+    assert flash_tune.followed(None, groups=4) is None
+    assert flash_tune.followed(dict(candidates=[dict(blocks=[512, 512], error="vmem")]), groups=4) is None
+
+
+def test_v6e_head_dims_share_the_reference_entrys_best():
+    """What FOLLOW rests on: where every head_dim was rated in full (v6e, 2k and 8k), the
+    reference head_dim's best is among its FOLLOW best at every other head_dim."""
+    import json
+
+    import flash_tune
+
+    records = {tuple(r["key"]): r for r in json.loads(flash_tune.results_file("v6e").read_text())
+               if "rated" not in r}
+    pairs = 0
+    for (d, g, t), record in records.items():
+        reference = records.get((flash_tune.REFERENCE_HEAD_DIM, g, t))
+        if d == flash_tune.REFERENCE_HEAD_DIM or reference is None:
+            continue
+        assert tuple(record["best"]) in flash_tune.followed(reference, g), (d, g, t)
+        pairs += 1
+    assert pairs >= 12
