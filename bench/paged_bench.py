@@ -106,12 +106,14 @@ BATCHES = [
 BENCH_GENERATIONS = ("v6e", "tpu7x")
 
 
-def cache_specs(shape: AttentionShape, routing: dict, batch: Batch, dtype) -> list[tuple]:
+def cache_specs(shape: AttentionShape, routing: dict, batch: Batch, dtype, cache_layout="token_major") -> list[tuple]:
     """K's and V's cache (shape, dtype, layout) as an engine holds them: in the layout our kernels
-    read in place (under 128 lanes, libtpu's default layout would cost a whole copy per call)."""
+    read in place (under 128 lanes, libtpu's default layout would cost a whole copy per call),
+    its dims ordered as `cache_layout` says (`ops.CACHE_LAYOUTS`)."""
     from paged_attention.ops import CACHE_MAJOR_TO_MINOR
 
-    return [((routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim), dtype, CACHE_MAJOR_TO_MINOR)] * 2
+    page = (shape.kv_heads, batch.page_size) if cache_layout == "head_major" else (batch.page_size, shape.kv_heads)
+    return [((routing["num_pages"], *page, shape.head_dim), dtype, CACHE_MAJOR_TO_MINOR)] * 2
 
 
 def held_bytes(shape: AttentionShape, batch: Batch, routing: dict, cache_itemsize: int) -> dict:
@@ -127,7 +129,7 @@ def held_bytes(shape: AttentionShape, batch: Batch, routing: dict, cache_itemsiz
     return dict(kv=kv, q_out=q_out)
 
 
-def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blocks=None):
+def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blocks=None, cache_layout="token_major"):
     """fn(q, k_cache, v_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs) of our kernel."""
     from paged_attention import ops
 
@@ -139,21 +141,22 @@ def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blo
         return ops.ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                           sinks=sinks if has_sinks else None, k_scale=0.5 if quantized else None,
                                           v_scale=0.5 if quantized else None, blocks=blocks, generation=generation,
-                                          interpret=False, **options)
+                                          cache_layout=cache_layout, interpret=False, **options)
 
     return fn
 
 
-def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jnp.bfloat16, blocks=None) -> dict:
+def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jnp.bfloat16, blocks=None,
+            cache_layout="token_major") -> dict:
     """Our kernels' compile, bytes and modeled time on one batch (blocks None: the default path,
     decode sequences and the others in kernels of their own). A step copies and waits for its
     chunk's pages in loops whose trips are the pages it needs: counted as they run, as the anchors'
     (`measure_profiled`)."""
     routing = batch.routing()
     data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
-            *cache_specs(shape, routing, batch, cache_dtype), ((shape.q_heads,), jnp.float32)]
+            *cache_specs(shape, routing, batch, cache_dtype, cache_layout), ((shape.q_heads,), jnp.float32)]
     index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
-    fn = ours(shape, routing, generation, cache_dtype, blocks)
+    fn = ours(shape, routing, generation, cache_dtype, blocks, cache_layout)
     def tiling(eqn, cost):
         blocks = _blocks_of(eqn, shape)
         return f"{cost.name.removeprefix(KERNEL_NAME).strip('_') or 'all'} {blocks.block_q}q x {blocks.pages_per_block}p"
@@ -451,40 +454,48 @@ def eqn_name(eqn) -> str:
 DECODE_BYTES_GOAL = 1.05  # HBM bytes over the K/V held plus q and out, on decode batches
 
 
+OURS = {"token_major": "ours", "head_major": "ours head-major"}  # our rows' impl, by cache layout
+
+
 def goal_lines(rows: list[dict]) -> list[str]:
-    """The goals this bench can read without anchors: decode's HBM bytes against what the
-    sequences hold, and an fp8 cache's page copies against a bf16 one's on the same batch."""
-    ok = [r for r in rows if "error" not in r and r["impl"] == "ours"]
+    """The goals: decode's HBM bytes against what the sequences hold, an fp8 cache's page copies
+    against a bf16 one's on the same batch, and each of our layouts (bf16) against each anchor."""
+    ok = [r for r in rows if "error" not in r and r["impl"] in OURS.values()]
     decode = [r for r in ok if r["batch"].startswith("decode")]
     lines = ["## Goals", ""]
     if decode:
         worst = max(decode, key=lambda r: r["hbm_vs_held"])
         verdict = "met" if worst["hbm_vs_held"] <= DECODE_BYTES_GOAL else "NOT met"
         lines.append(f"- Decode HBM bytes at most {DECODE_BYTES_GOAL}x held: {verdict} (worst {worst['hbm_vs_held']:.3f}, "
-                     f"{worst['model']}, {worst['batch']}, {worst['generation']}, {worst['cache']}).")
+                     f"{worst['model']}, {worst['batch']}, {worst['generation']}, {worst['cache']}, {worst['impl']}).")
     key = lambda r: (r["model"], r["batch"], r["generation"])
-    bf16 = {key(r): r for r in ok if r["cache"] == "bfloat16"}
-    ratios = [r["page_copy_bytes"] / bf16[key(r)]["page_copy_bytes"] for r in ok
-              if r["cache"] == "float8_e4m3fn" and key(r) in bf16]
+    bf16 = {(r["impl"], *key(r)): r for r in ok if r["cache"] == "bfloat16"}
+    ratios = [r["page_copy_bytes"] / bf16[(r["impl"], *key(r))]["page_copy_bytes"] for r in ok
+              if r["cache"] == "float8_e4m3fn" and (r["impl"], *key(r)) in bf16]
     if ratios:
         lines.append(f"- fp8 cache's page copies against bf16's on the same batch: {min(ratios):.3f} to {max(ratios):.3f}x.")
-    anchors = {}
+    best = {}
     for impl in ANCHORS:
-        anchor = {key(r): r for r in rows if r["impl"] == impl and "error" not in r}
-        versus = [(bf16[k]["modeled_us"] / a["modeled_us"], k) for k, a in anchor.items() if k in bf16]
-        for k, a in anchor.items():
-            anchors[k] = min(anchors.get(k, math.inf), a["modeled_us"])
+        for r in rows:
+            if r["impl"] == impl and "error" not in r:
+                best[key(r)] = min(best.get(key(r), math.inf), r["modeled_us"])
+    for layout, name in OURS.items():
+        mine = {key(r): r for (impl, *_), r in bf16.items() if impl == name}
+        label = "Ours (bf16)" if layout == "token_major" else f"Ours, {layout.replace('_', '-')} cache (bf16)"
+        for impl in ANCHORS:
+            anchor = {key(r): r for r in rows if r["impl"] == impl and "error" not in r}
+            versus = [(mine[k]["modeled_us"] / a["modeled_us"], k) for k, a in anchor.items() if k in mine]
+            if versus:
+                worst, where = max(versus)
+                slower = sum(v > 1 for v, _ in versus)
+                lines.append(f"- {label} against {impl}: {min(versus)[0]:.2f} to {worst:.2f}x its modeled time ("
+                             + ("never slower" if not slower else
+                                f"slower on {slower} of {len(versus)} shapes, most on {', '.join(where)}") + ").")
+        versus = [(mine[k]["modeled_us"] / t, k) for k, t in best.items() if k in mine]
         if versus:
-            worst, where = max(versus)
-            slower = sum(v > 1 for v, _ in versus)
-            lines.append(f"- Ours (bf16) against {impl}: {min(versus)[0]:.2f} to {worst:.2f}x its modeled time ("
-                         + ("never slower" if not slower else
-                            f"slower on {slower} of {len(versus)} shapes, most on {', '.join(where)}") + ").")
-    versus = [(bf16[k]["modeled_us"] / t, k) for k, t in anchors.items() if k in bf16]
-    if versus:
-        slower = [", ".join(k) + f" ({v:.2f}x)" for v, k in sorted(versus, reverse=True) if v > 1]
-        lines.append("- Ours (bf16) no slower than the best anchor on every shape: "
-                     + ("met." if not slower else "NOT met: slower on " + "; ".join(slower) + "."))
+            slower = [", ".join(k) + f" ({v:.2f}x)" for v, k in sorted(versus, reverse=True) if v > 1]
+            lines.append(f"- {label} no slower than the best anchor on every shape: "
+                         + ("met." if not slower else "NOT met: slower on " + "; ".join(slower) + "."))
     return lines
 
 
@@ -531,6 +542,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", nargs="*", default=[b.name for b in BATCHES])
     parser.add_argument("--generations", nargs="*", default=list(BENCH_GENERATIONS), choices=list(GENERATIONS))
     parser.add_argument("--caches", nargs="*", default=["bfloat16", "float8_e4m3fn"], help="our cache dtypes")
+    parser.add_argument("--layouts", nargs="*", default=list(OURS), choices=list(OURS), help="our cache layouts")
     parser.add_argument("--no-anchors", dest="anchors", action="store_false", help="our kernels only")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
@@ -541,9 +553,10 @@ def main(argv=None) -> int:
         for batch in (b for b in BATCHES if b.name in args.batches):
             for generation in args.generations:
                 anchors = [(impl, "bfloat16") for impl in ANCHORS] * args.anchors
-                for impl, cache in [("ours", c) for c in args.caches] + anchors:
-                    figures = (measure(shape, batch, generation, jnp.dtype(cache)) if impl == "ours"
-                               else ANCHORS[impl](shape, batch, generation))
+                for impl, cache in [(OURS[l], c) for l in args.layouts for c in args.caches] + anchors:
+                    layout = next((l for l, name in OURS.items() if name == impl), None)
+                    figures = (ANCHORS[impl](shape, batch, generation) if layout is None
+                               else measure(shape, batch, generation, jnp.dtype(cache), cache_layout=layout))
                     row = dict(model=shape.model, batch=batch.name, generation=generation, cache=cache, impl=impl,
                                **figures)
                     print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation} {impl} "

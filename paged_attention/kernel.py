@@ -62,6 +62,7 @@ class Options:
     page_size: int
     key_stride: int  # the stride of the global key positions: the sequences' chunks span it
     windowed: bool  # a sliding window: pages before a sequence's window start are not copied
+    head_major: bool = False  # the caches are [pages, Hkv, page_size, D] (`ops.CACHE_LAYOUTS`)
 
 
 PAGES_PER_TRIP = 8  # page copies a loop trip starts (v6e: 46 issue cycles a page one to a trip, 33 eight to a trip)
@@ -115,7 +116,13 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     slot = i % 2
     window_start = lambda seq: seq_lo[seq] if opts.windowed else None
 
-    rows = k_buf.shape[1] // ppb  # a page's rows in the buffers
+    if opts.head_major:  # buffers [2, ppb, Hkv, page_size, D]: a page per index of the second dim
+        page_rows = lambda buf, into, p: buf.at[into, p]
+        pages_rows = lambda buf, into, n: buf.at[into, pl.ds(0, n)]
+    else:  # buffers [2, ppb * page rows, lanes]
+        rows = k_buf.shape[1] // ppb  # a page's rows in the buffers
+        page_rows = lambda buf, into, p: buf.at[into, pl.ds(p * rows, rows)]
+        pages_rows = lambda buf, into, n: buf.at[into, pl.ds(0, n * rows)]
     unroll = min(PAGES_PER_TRIP, ppb)
 
     def page_trips(step):
@@ -139,8 +146,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
 
         def copy(p):
             for kind, (src, buf) in buffers():
-                pltpu.make_async_copy(src.at[pages[0, p]], buf.at[into, pl.ds(p * rows, rows)],
-                                      sems.at[kind, into]).start()
+                pltpu.make_async_copy(src.at[pages[0, p]], page_rows(buf, into, p), sems.at[kind, into]).start()
 
         loop(full, lambda j: [copy(first + j * unroll + u) for u in range(unroll)])
         loop(left, lambda j: copy(first + full * unroll + j))
@@ -151,8 +157,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
 
         def wait_pages(n):
             for kind, (_, buf) in buffers():
-                pltpu.make_async_copy(buf.at[into, pl.ds(0, n * rows)], buf.at[into, pl.ds(0, n * rows)],
-                                      sems.at[kind, into]).wait()
+                pltpu.make_async_copy(pages_rows(buf, into, n), pages_rows(buf, into, n), sems.at[kind, into]).wait()
 
         loop(full, lambda _: wait_pages(unroll))
         loop(left, lambda _: wait_pages(1))
@@ -196,9 +201,13 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         if opts.windowed:
             stored &= key >= page_first * page_size
         def head_rows(buf, h):
-            """Head h's keys (or values) of the chunk: every hkv-th row, one strided load per 128
-            lanes (`lane_tiles`), no relayout. (Through .at[slot]: Mosaic refuses a dynamic index
-            beside a strided one on packed dtypes.)"""
+            """Head h's keys (or values) of the chunk. Head-major pages: whole tiles of each page.
+            Token-major: every hkv-th row, one strided load per 128 lanes (`lane_tiles`), no
+            relayout; for a packed dtype each load splits and repacks rows (about 1.5x the
+            attention's cycles of the head-major load on v6e and tpu7x, a test kernel's). (Through
+            .at[slot]: Mosaic refuses a dynamic index beside a strided one on packed dtypes.)"""
+            if opts.head_major:
+                return buf.at[slot][:, h].reshape(chunk, buf.shape[-1])
             n = buf.shape[1] // (chunk * hkv)
             if hkv * n == 1:
                 return buf.at[slot][...]
@@ -236,8 +245,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
     """o [Hkv, T*G, Dv] in q's dtype; blocks no step covers hold whatever VMEM held.
 
     q [Hkv, T*G, D] (T a multiple of block_q, its last block a spare no step covers: a part with no
-    step of its own idles there); k_cache [pages, page_size, Hkv, D],
-    v_cache [.., Dv]; kv_lens [S] int32; seq_lo [S] int32: the first position a sequence's new
+    step of its own idles there); k_cache [pages, page_size, Hkv, D] ([pages, Hkv, page_size, D]
+    with opts.head_major), v_cache [.., Dv]; kv_lens [S] int32; seq_lo [S] int32: the first position a sequence's new
     tokens see (0 without a sliding window); page_chunks [S, chunks, 1, pages_per_block] int32
     (a sequence's page table cut in chunks); row_lo, row_hi [T*G, 1] int32 (global key
     positions); sink_rows [Hkv, block_q*G, 1] f32; schedule: `ops.make_schedule`'s step arrays.
@@ -247,11 +256,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
     rows_per_block = blocks.block_q * opts.groups
     spare = rows // rows_per_block - 1  # `query_block`
     ppb, page_size = blocks.pages_per_block, opts.page_size
-    # A page as [page_size * Hkv, D] (token-major, head-minor): the same bytes (XLA adds no copy,
-    # checked in libtpu's compile), so a chunk's head is a strided load of whole rows.
-    # (A head_dim past 128 lanes as rows of 128: `lane_tiles`.)
-    k_pages, v_pages = (c.reshape(c.shape[0], page_size * hkv * lane_tiles(c.shape[3]), c.shape[3] // lane_tiles(c.shape[3]))
-                        for c in (k_cache, v_cache))
+    if opts.head_major:  # pages copied as they are, [Hkv, page_size, D], to buffers of ppb pages
+        k_pages, v_pages = k_cache, v_cache
+        buffer = lambda c: pltpu.VMEM((2, ppb, *c.shape[1:]), c.dtype)
+    else:
+        # A page as [page_size * Hkv, D] (token-major, head-minor): the same bytes (XLA adds no copy,
+        # checked in libtpu's compile), so a chunk's head is a strided load of whole rows.
+        # (A head_dim past 128 lanes as rows of 128: `lane_tiles`.)
+        k_pages, v_pages = (c.reshape(c.shape[0], page_size * hkv * lane_tiles(c.shape[3]),
+                                      c.shape[3] // lane_tiles(c.shape[3])) for c in (k_cache, v_cache))
+        buffer = lambda c: pltpu.VMEM((2, ppb * c.shape[1], c.shape[2]), c.dtype)
     parts = schedule.part_first.shape[0]
     last = schedule.block.shape[0] - 1
 
@@ -288,8 +302,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
             ],
             out_specs=pl.BlockSpec((hkv, rows_per_block, dv), q_block),
             scratch_shapes=[
-                pltpu.VMEM((2, ppb * k_pages.shape[1], k_pages.shape[2]), k_cache.dtype),
-                pltpu.VMEM((2, ppb * v_pages.shape[1], v_pages.shape[2]), v_cache.dtype),
+                buffer(k_pages),
+                buffer(v_pages),
                 pltpu.SemaphoreType.DMA((2, 2)),  # (K or V, buffer)
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # m
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),  # l

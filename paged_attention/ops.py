@@ -38,6 +38,25 @@ QUERY_DTYPES = (jnp.bfloat16, jnp.float32)
 # Format(Layout(CACHE_MAJOR_TO_MINOR), sharding)). A page's rows then take 128 lanes in HBM
 # (`kernel.page_bytes`), as vLLM's TPU cache pads head_dim to 128.
 CACHE_MAJOR_TO_MINOR = (0, 1, 2, 3)
+# How a cache's dims are ordered, each row-major. token_major [pages, page_size, Hkv, D] is vLLM's;
+# head_major [pages, Hkv, page_size, D] keeps each KV head's rows of a page together, so the
+# kernel reads a head as whole tiles where token-major needs strided loads that split and
+# repack a packed dtype's rows (a decode step's attention issues about 0.65x the cycles on v6e
+# and tpu7x, a test kernel's; MODELED). Both kernels take either (`cache_layout=`).
+CACHE_LAYOUTS = ("token_major", "head_major")
+
+
+def cache_dims(cache, cache_layout: str = "token_major") -> tuple[int, int, int, int]:
+    """(pages, page_size, Hkv, D) of a cache held in `cache_layout`."""
+    if cache_layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
+    pages, a, b, d = cache.shape
+    return (pages, b, a, d) if cache_layout == "head_major" else (pages, a, b, d)
+
+
+def _layout_text(cache_layout: str) -> str:
+    return "[pages, kv_heads, page_size, head_dim]" if cache_layout == "head_major" else \
+        "[pages, page_size, kv_heads, head_dim]"
 
 
 @jax.tree_util.register_dataclass
@@ -191,22 +210,23 @@ def _check_cache_dtype(name, cache):
         raise TypeError(f"{name} must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {cache.dtype}")
 
 
-def check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
+def check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks, cache_layout: str = "token_major"):
     """Shapes and dtypes, at trace time: a clear error naming the argument."""
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, heads, head_dim], got shape {q.shape}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.ndim != 4:
-            raise ValueError(f"{name} must be [pages, page_size, kv_heads, head_dim], got shape {cache.shape}")
+            raise ValueError(f"{name} must be {_layout_text(cache_layout)}, got shape {cache.shape}")
         _check_cache_dtype(name, cache)
     if q.dtype not in QUERY_DTYPES:
         raise TypeError(f"q must be bfloat16 or float32, got {q.dtype}")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in pages, page_size or kv_heads")
-    if k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"q's head_dim {q.shape[2]} differs from k_cache's {k_cache.shape[3]}")
-    if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"q's {q.shape[1]} heads are not a multiple of the cache's {k_cache.shape[2]} KV heads")
+    _, _, hkv, d = cache_dims(k_cache, cache_layout)
+    if d != q.shape[2]:
+        raise ValueError(f"q's head_dim {q.shape[2]} differs from k_cache's {d}")
+    if q.shape[1] % hkv:
+        raise ValueError(f"q's {q.shape[1]} heads are not a multiple of the cache's {hkv} KV heads")
     max_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
     for name, array, shape in (("kv_lens", kv_lens, (max_seqs,)), ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
                                ("page_indices", page_indices, (max_seqs, page_indices.shape[-1]))):
@@ -220,9 +240,11 @@ def check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks):
 
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, softmax_scale=None,
                            sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None,
-                           blocks: BlockSizes | None = None, generation: str | None = None, interpret=None):
+                           cache_layout: str = "token_major", blocks: BlockSizes | None = None,
+                           generation: str | None = None, interpret=None):
     """Attention of the new tokens q [T, Hq, D] over the paged caches k_cache, v_cache
-    [pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 with k_scale / v_scale).
+    [pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 with k_scale / v_scale), or
+    [pages, Hkv, page_size, D] with cache_layout="head_major" (`CACHE_LAYOUTS`: faster).
 
     kv_lens [S] int32: each sequence's tokens, the new ones included; page_indices
     [S, pages_per_seq] int32; cu_q_lens [S + 1] int32: where each sequence's new tokens are
@@ -236,13 +258,13 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     Hold the caches in CACHE_MAJOR_TO_MINOR: at head_dim 64, another layout costs a copy of the
     whole cache per call.
     """
-    check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks)
+    check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks, cache_layout)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be positive (or None / 0), got {softcap}")
     t, hq, d = q.shape
-    num_pages, page_size, hkv, _ = k_cache.shape
+    num_pages, page_size, hkv, _ = cache_dims(k_cache, cache_layout)
     groups = hq // hkv
     interpret = default_interpret() if interpret is None else interpret
     generation = generation or current_generation().name
@@ -250,7 +272,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
     options = dict(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
                    has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
-                   page_size=page_size, windowed=bool(sliding_window))
+                   page_size=page_size, windowed=bool(sliding_window), head_major=cache_layout == "head_major")
     valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, page_indices.shape[1] * page_size)
     # Invalid index values: the kernels run no sequence, so that no copy reads outside the cache
     # (the kernel's copies trust the page indices of the sequences they run).
@@ -278,8 +300,8 @@ def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sin
     """ragged_paged_attention with its blocks chosen: [T, Hq, D]. only: "decode" or "prefill",
     that kind of sequence alone (`make_schedule`), other tokens' rows left undefined."""
     t, hq, _ = q.shape
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    groups = hq // hkv
+    page_size, groups = options["page_size"], options["groups"]
+    hkv = hq // groups
     chunks = -(-page_indices.shape[1] // blocks.pages_per_block)
     # Sequences' global key positions are a whole number of chunks apart: a chunk's columns past
     # its sequence's pages must not reach the next sequence's positions.
@@ -319,23 +341,33 @@ def quantize(x, dtype, scale):
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, *,
-                            interpret=None):
+                            cache_layout: str = "token_major", interpret=None):
     """(key_cache, value_cache) with the new tokens' key and value [T, Hkv, D] written at
     slot_mapping [T] int32 (page * page_size + row; -1: padding, skipped), quantized with
-    k_scale / v_scale for fp8 and int8 caches. The caches are aliased to the results: under
-    jax.jit with the caches donated, they are written in place. A slot past the cache is
-    never written, and not reported: a caller holding the slots on the host checks them there."""
+    k_scale / v_scale for fp8 and int8 caches; the caches in `cache_layout` (`CACHE_LAYOUTS`).
+    The caches are aliased to the results: under jax.jit with the caches donated, they are
+    written in place. A slot past the cache is never written, and not reported: a caller
+    holding the slots on the host checks them there."""
     for name, new, cache in (("key", key, key_cache), ("value", value, value_cache)):
-        if new.ndim != 3 or cache.ndim != 4 or new.shape[1:] != cache.shape[2:]:
+        if new.ndim != 3 or cache.ndim != 4 or new.shape[1:] != cache_dims(cache, cache_layout)[2:]:
             raise ValueError(f"{name} {new.shape} must be [tokens, kv_heads, head_dim] matching the cache's "
-                             f"[pages, page_size, kv_heads, head_dim] {cache.shape}")
+                             f"{_layout_text(cache_layout)} {cache.shape}")
         _check_cache_dtype(f"{name}_cache", cache)
-    if key_cache.shape[:2] != value_cache.shape[:2]:
+    if cache_dims(key_cache, cache_layout)[:2] != cache_dims(value_cache, cache_layout)[:2]:
         raise ValueError(f"key_cache {key_cache.shape} and value_cache {value_cache.shape} differ in pages or "
                          "page_size")
     if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != key.shape[:1] or value.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping must be int32 [{key.shape[0]}] (one slot per token of key and value), got "
                          f"{slot_mapping.dtype} {slot_mapping.shape} for value tokens {value.shape[0]}")
+    if cache_layout == "head_major":
+        # A token's row of each head is one row of a page's tiles, which a DMA cannot address in
+        # HBM (Mosaic's copies start on whole tiles): XLA's scatter writes it, in place when the
+        # caches are donated. Slots of -1 or past the cache land out of range and are dropped.
+        pages, page_size = cache_dims(key_cache, cache_layout)[:2]
+        slot = jnp.where(slot_mapping >= 0, slot_mapping, pages * page_size)
+        page, row = slot // page_size, slot % page_size
+        return tuple(cache.at[page, :, row].set(quantize(new, cache.dtype, scale), mode="drop")
+                     for new, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)))
     interpret = default_interpret() if interpret is None else interpret
     t = key.shape[0]
     padded = round_up(max(t, 1), TOKENS_PER_WRITE_STEP)

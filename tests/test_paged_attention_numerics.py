@@ -221,6 +221,15 @@ def test_options_out_of_range_raise():
         ops.ragged_paged_attention(*args, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):
         ops.ragged_paged_attention(*args, sinks=jnp.zeros((3,), jnp.float32))
+    with pytest.raises(ValueError, match="cache_layout must be one of"):
+        ops.ragged_paged_attention(*args, cache_layout="page_major")
+    # A token-major cache passed as head-major: its kv_heads (its page size, 16) do not divide q's 4 heads.
+    with pytest.raises(ValueError, match="not a multiple of the cache's 16 KV heads"):
+        ops.ragged_paged_attention(*args, cache_layout="head_major")
+    q, k_cache, v_cache = args[:3]
+    with pytest.raises(ValueError, match=r"\[pages, kv_heads, page_size, head_dim\]"):
+        ops.reshape_and_cache_flash(q[:, :2], q[:, :2], k_cache, v_cache, jnp.zeros((q.shape[0],), jnp.int32),
+                                    cache_layout="head_major")
 
 
 # Without blocks: decode sequences in 8-row blocks beside a prefill in 128-row ones, two KV heads
@@ -256,6 +265,63 @@ def test_a_page_index_out_of_the_cache_is_never_copied():
                                      interpret=params, **options)
     pltpu.reset_tpu_interpret_mode_state()
     assert bool(jnp.isnan(out).all())
+
+
+def _head_major(cache):
+    """A token-major cache [pages, page_size, Hkv, D] as the same values held head-major."""
+    return cache.transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("case,dtype", [(c, jnp.float32) for c in CASES] + [(CASES[0], jnp.bfloat16)],
+                         ids=lambda c: c[0] if isinstance(c, tuple) else jnp.dtype(c).name)
+def test_head_major_cache_gives_the_token_major_output(case, dtype):
+    """The same values held head-major give the token-major call's output: in fp32 the reference's
+    within FP32_TOLERANCE, and the same bits in bf16 (the kernel reads the same rows of the
+    same chunks, in the same order, whatever the cache's layout)."""
+    (q, k_cache, v_cache, *rest), options = _inputs(case, dtype)
+    out = ops.ragged_paged_attention(q, _head_major(k_cache), _head_major(v_cache), *rest, blocks=case[7],
+                                     cache_layout="head_major", **options)
+    token_major = ops.ragged_paged_attention(q, k_cache, v_cache, *rest, blocks=case[7], **options)
+    expected = reference.ragged_paged_attention(q, k_cache, v_cache, *rest, **options)
+    if dtype == jnp.float32:
+        assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(token_major.astype(jnp.float32)))
+
+
+def test_head_major_cache_passes_the_tpu_interpreter():
+    """Head-major pages copied whole into the chunk buffers, a page skipped before a window (its
+    rows uninitialised, NaN), the next chunk's copies beside this one's compute: no race, no
+    copy out of bounds, the reference's output."""
+    (q, k_cache, v_cache, *rest), options = _inputs(WINDOW_SKIP_CASE, jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    out = ops.ragged_paged_attention(q, _head_major(k_cache), _head_major(v_cache), *rest,
+                                     blocks=WINDOW_SKIP_CASE[7], cache_layout="head_major", interpret=params, **options)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    expected = reference.ragged_paged_attention(q, k_cache, v_cache, *rest, **options)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_head_major_cache_write_matches_the_token_major_one(cache_dtype):
+    """Head-major caches (written by XLA's scatter) hold what the token-major write kernel
+    stores, slot for slot; -1 slots and a slot past the cache write nothing."""
+    rng = np.random.default_rng(5)
+    pages, page_size, hkv, d, tokens = 5, 16, 2, 128, 19
+    k_cache = jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.float32).astype(cache_dtype)
+    v_cache = jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.float32).astype(cache_dtype)
+    key = jnp.asarray(rng.standard_normal((tokens, hkv, d)) * 3, jnp.float32)
+    value = jnp.asarray(rng.standard_normal((tokens, hkv, d)) * 3, jnp.float32)
+    slots = rng.permutation(pages * page_size)[:tokens].astype(np.int32)
+    slots[[2, 9]] = -1
+    slots[5] = pages * page_size + 3  # past the cache
+    scale = None if cache_dtype == jnp.bfloat16 else 0.05
+    want = ops.reshape_and_cache_flash(key, value, k_cache, v_cache, jnp.asarray(slots), scale, scale)
+    got = ops.reshape_and_cache_flash(key, value, _head_major(k_cache), _head_major(v_cache), jnp.asarray(slots),
+                                      scale, scale, cache_layout="head_major")
+    for g, w in zip(got, want):
+        assert g.dtype == cache_dtype and g.shape == _head_major(w).shape
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(_head_major(w).astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8], ids=["bf16", "fp8", "int8"])

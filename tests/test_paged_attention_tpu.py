@@ -26,17 +26,23 @@ SAMPLE = [(g, 32, 8, 128, 16, jnp.bfloat16, {} if g == "v6e" else dict(prefill_o
 SAMPLE.append(("tpu7x", 16, 8, 256, 16, jnp.bfloat16, dict(prefill_only=True)))
 # v5e at head_dim 64 (gpt-oss's sliding layers), whose cache XLA would copy whole in its default layout.
 SAMPLE.append(("v5e", 64, 8, 64, 16, jnp.bfloat16, dict(prefill_only=True, sliding_window=128, sinks=True)))
+# tpu7x with head-major caches: a page's heads copied as they lie, each head's rows whole tiles.
+SAMPLE.append(("tpu7x", 32, 8, 128, 16, jnp.bfloat16, dict(cache_layout="head_major")))
 MORE = [
     ("v5e", 32, 8, 128, 16, jnp.bfloat16, dict(prefill_only=True)),
     ("v6e", 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
     ("v5e", 64, 8, 64, 32, jnp.int8, dict(sliding_window=128, sinks=True)),
     ("tpu7x", 16, 8, 256, 256, jnp.bfloat16, dict(softcap=30.0)),
     ("v5p", 8, 1, 128, 64, jnp.bfloat16, {}),
+    ("v6e", 32, 8, 128, 16, jnp.float8_e4m3fn, dict(cache_layout="head_major")),
+    ("v5e", 64, 8, 64, 16, jnp.bfloat16, dict(cache_layout="head_major", sliding_window=128, sinks=True)),
+    ("tpu7x", 16, 8, 256, 32, jnp.bfloat16, dict(cache_layout="head_major", prefill_only=True)),
 ]
 CASES = SAMPLE + (MORE if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-page{c[4]}-{jnp.dtype(c[5]).name}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-page{c[4]}-{jnp.dtype(c[5]).name}"
+                         + ("-head_major" if c[6].get("cache_layout") == "head_major" else ""))
 def test_attention_compiles(case):
     _compile_serving_step(*case)
 
@@ -45,6 +51,7 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
     """The default path (the tuning's blocks for this call) compiled at SERVING, within VMEM."""
     options = dict(options)
     has_sinks = options.pop("sinks", False)
+    layout = options.get("cache_layout", "token_major")
     if options.pop("prefill_only", False):
         options["blocks"] = tuning.prefill_blocks(hq // hkv, page_size, SERVING["context"] // page_size, d,
                                                   cache_dtype, generation)
@@ -58,7 +65,8 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
 
     pages_per_seq = SERVING["context"] // page_size
     num_pages = SERVING["seqs"] * pages_per_seq // 8  # the pool a server shares among its sequences
-    cache = ((num_pages, page_size, hkv, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
+    page = (hkv, page_size) if layout == "head_major" else (page_size, hkv)
+    cache = ((num_pages, *page, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
              ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
              ((hq,), jnp.float32)]
@@ -104,21 +112,26 @@ def test_tuned_entry_compiles_at_serving_limits(generation, key):
     _compile_serving_step(generation, 32, 8, d, page_size, jnp.dtype(dtype), {})
 
 
-@pytest.mark.parametrize("generation,cache_dtype,d", [("v6e", jnp.bfloat16, 128), ("v5e", jnp.float8_e4m3fn, 64)])
-def test_cache_write_compiles_in_place(generation, cache_dtype, d):
+@pytest.mark.parametrize("generation,cache_dtype,d,layout", [("v6e", jnp.bfloat16, 128, "token_major"),
+                                                             ("v5e", jnp.float8_e4m3fn, 64, "token_major"),
+                                                             ("tpu7x", jnp.bfloat16, 128, "head_major")])
+def test_cache_write_compiles_in_place(generation, cache_dtype, d, layout):
     """With the caches donated and kept in ops.CACHE_MAJOR_TO_MINOR (as an engine's step holds
     them), the write kernel updates them where they are: no copy of a cache in the program."""
     scale = None if cache_dtype == jnp.bfloat16 else 0.5
 
     def write(key, value, k_cache, v_cache, slots):
-        return ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, scale, scale, interpret=False)
+        return ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, scale, scale, cache_layout=layout,
+                                           interpret=False)
 
-    cache = ((4096, 16, 8, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
+    cache = ((4096, *((8, 16) if layout == "head_major" else (16, 8)), d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((1000, 8, d), jnp.bfloat16), ((1000, 8, d), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
-    report = tpu_compile.compile_for(write, specs, generation, "reshape_and_cache", donate_argnums=(2, 3),
+    # Head-major caches are written by XLA's scatter (a copy cannot start inside a page's tile).
+    writer = "scatter" if layout == "head_major" else "reshape_and_cache"
+    report = tpu_compile.compile_for(write, specs, generation, writer, donate_argnums=(2, 3),
                                      out_layouts=(ops.CACHE_MAJOR_TO_MINOR,) * 2)
-    ops_compiled = list(report.schedules) + list(report.kernels)
-    assert any("reshape_and_cache" in op for op in ops_compiled), ops_compiled
+    ops_compiled = list(report.schedules) + list(report.kernels) + list(report.other_ops)
+    assert any(writer in op for op in ops_compiled), ops_compiled
     assert_no_cache_copy(report, cache)
 
 

@@ -21,12 +21,14 @@ def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path
     monkeypatch.setattr(paged_bench, "BATCHES", [paged_bench.Batch("mixed 8 dec + 1 x 64 pre, 1k", 8, 1, 64, 1024)])
     monkeypatch.setattr(tuning, "TUNED", {})
     assert paged_bench.main(["--models", "Llama-3-8B", "--generations", "v6e", "--out", str(tmp_path)]) == 0
-    bf16, fp8, anchor, decode_only, jax_rpa, tpu_inference = json.loads((tmp_path / "paged_attention.json").read_text())
-    assert [(r["impl"], r["cache"]) for r in (bf16, fp8, anchor, decode_only, jax_rpa, tpu_inference)] == [
-        ("ours", "bfloat16"), ("ours", "float8_e4m3fn"), (paged_bench.TRANSFORMERS, "bfloat16"),
+    rows = json.loads((tmp_path / "paged_attention.json").read_text())
+    bf16, fp8, head_major, head_major_fp8, anchor, decode_only, jax_rpa, tpu_inference = rows
+    assert [(r["impl"], r["cache"]) for r in rows] == [
+        ("ours", "bfloat16"), ("ours", "float8_e4m3fn"), ("ours head-major", "bfloat16"),
+        ("ours head-major", "float8_e4m3fn"), (paged_bench.TRANSFORMERS, "bfloat16"),
         (paged_bench.JAX_PAGED, "bfloat16"), (paged_bench.JAX_RPA, "bfloat16"), (paged_bench.TPU_INFERENCE, "bfloat16")]
     assert decode_only["error"].startswith("n/a: decode only")
-    for r in (bf16, fp8, anchor, jax_rpa, tpu_inference):
+    for r in (bf16, fp8, head_major, head_major_fp8, anchor, jax_rpa, tpu_inference):
         assert r["compiles"] and r["regions_mapped"], r
         assert r["modeled_us"] == pytest.approx(r["kernel_us"] + r["around_us"])
         assert r["kernel_us"] >= max(r["compute_us"], r["dma_us"]) and r["modeled_us"] >= r["floor_us"]
@@ -42,6 +44,10 @@ def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path
     assert f"Ours (bf16) against {paged_bench.TRANSFORMERS}: " in table
     assert f"Ours (bf16) against {paged_bench.TPU_INFERENCE}: " in table
     assert "Ours (bf16) no slower than the best anchor on every shape: " in table
+    # Head-major pages: the same copies, each head's rows read as whole tiles (fewer cycles).
+    assert head_major["page_copy_bytes"] == bf16["page_copy_bytes"]
+    assert head_major["compute_us"] < bf16["compute_us"]
+    assert "Ours, head-major cache (bf16) no slower than the best anchor on every shape: " in table
 
 
 def test_jax_paged_attention_anchor_copies_its_pages_and_prefetches_once_per_step():
