@@ -19,18 +19,24 @@ CACHE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8)
 def _attention_jax(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
                    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sinks: jax.Array,
                    softmax_scale: float, sliding_window: int, softcap: float, has_sinks: bool, k_scale: float,
-                   v_scale: float, *, interpret, generation) -> jax.Array:
+                   v_scale: float, head_major: bool, *, interpret, generation) -> jax.Array:
     return ops.ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, softmax_scale=softmax_scale,
         sliding_window=sliding_window or None, softcap=softcap or None, sinks=sinks if has_sinks else None,
-        k_scale=k_scale, v_scale=v_scale, generation=generation, interpret=interpret)
+        k_scale=k_scale, v_scale=v_scale, cache_layout=_layout(head_major), generation=generation,
+        interpret=interpret)
 
 
 def _write_jax(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
-               slot_mapping: jax.Array, k_scale: float, v_scale: float, *, interpret,
+               slot_mapping: jax.Array, k_scale: float, v_scale: float, head_major: bool, *, interpret,
                generation) -> tuple[jax.Array, jax.Array]:
     return ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-                                       interpret=interpret)
+                                       cache_layout=_layout(head_major), interpret=interpret)
+
+
+def _layout(head_major: bool) -> str:
+    """The ops' cache_layout of the ops' flag (a torch op's schema takes a bool, not a choice)."""
+    return ops.CACHE_LAYOUTS[1] if head_major else ops.CACHE_LAYOUTS[0]
 
 
 attention_op = jax_custom_op(f"{OP_NAMESPACE}::ragged_paged_attention", _attention_jax)
@@ -77,11 +83,13 @@ def _check_index_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, 
 
 
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, softmax_scale=None,
-                           sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None):
+                           sliding_window=None, softcap=None, sinks=None, k_scale=None, v_scale=None,
+                           cache_layout="token_major"):
     """Attention of the new tokens of many sequences over their pages of the KV cache.
 
     q [T, Hq, D] (bf16 or f32): the new tokens of all sequences back to back; k_cache, v_cache
-    [num_pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 holding value / scale);
+    [num_pages, page_size, Hkv, D] (bf16, f32, fp8 e4m3 or int8 holding value / scale), or
+    [num_pages, Hkv, page_size, D] with cache_layout="head_major" (faster: see ops.CACHE_LAYOUTS);
     kv_lens [S] int32: each sequence's tokens, the new ones included; page_indices
     [S, pages_per_seq] int32; cu_q_lens [S + 1] int32: where each sequence's new tokens are in q;
     num_seqs: the live sequences (an int, or a one-element int32 tensor; the arrays may be padded
@@ -112,10 +120,11 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
         raise ValueError(f"softcap must be a float >= 0 or None, got {softcap!r}")
     # Shapes (heads, head_dim, page and sequence counts) are checked by ops, with the same names.
     ops.check_shapes(*(_spec(t) for t in (q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens)),
-                     None if sinks is None else _spec(sinks))
+                     None if sinks is None else _spec(sinks), cache_layout)
     if values_on_host(kv_lens):
         live = int(num_seqs_tensor) if num_seqs_tensor is not None else int(num_seqs)
-        _check_index_values(kv_lens, page_indices, cu_q_lens, live, q.shape[0], k_cache.shape[0], k_cache.shape[1])
+        _check_index_values(kv_lens, page_indices, cu_q_lens, live, q.shape[0],
+                            *ops.cache_dims(k_cache, cache_layout)[:2])
     if num_seqs_tensor is None:
         num_seqs_tensor = torch.tensor([num_seqs], dtype=torch.int32, device=q.device)
     # Token and sequence counts padded to powers of two: a serving loop compiles a bounded set
@@ -127,7 +136,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
         pad_offsets(cu_q_lens, num_s + 1),
         num_seqs_tensor.reshape(()), sinks.to(q.dtype) if sinks is not None else q.new_empty(0),
         float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5, int(sliding_window or 0),
-        float(softcap or 0.0), sinks is not None, float(k_scale or 1.0), float(v_scale or 1.0))
+        float(softcap or 0.0), sinks is not None, float(k_scale or 1.0), float(v_scale or 1.0),
+        cache_layout == "head_major")
     return out[:tokens] if num_q != tokens else out
 
 
@@ -141,9 +151,11 @@ def _rebind(cache: torch.Tensor, new: torch.Tensor) -> None:
         cache.set_(new)
 
 
-def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,
+                            cache_layout="token_major") -> None:
     """Writes new tokens' key and value [T, Hkv, D] into key_cache and value_cache
-    [num_pages, page_size, Hkv, D] in place, at slot_mapping [T] (int32 or int64:
+    [num_pages, page_size, Hkv, D] ([num_pages, Hkv, page_size, D] with
+    cache_layout="head_major") in place, at slot_mapping [T] (int32 or int64:
     page * page_size + offset; -1 skips the token, as padding). fp8 and int8 caches store
     value / scale (k_scale, v_scale), rounded and saturated. On TPU the caches must be whole
     tensors, not views of a larger one: their buffers are reused in place."""
@@ -158,7 +170,8 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
     check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    pages, page_size = ops.cache_dims(key_cache, cache_layout)[:2]
+    num_slots = pages * page_size
     if values_on_host(slot_mapping) and slot_mapping.numel():
         bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
         if bool(bad.any()):
@@ -169,6 +182,6 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
     # Clamped before narrowing: an int64 slot past the cache must not wrap into it (-1 and num_slots are skipped).
     slots = pad_rows(slot_mapping.clamp(-1, num_slots).to(torch.int32), num, value=-1)
     new_k, new_v = write_op(pad_rows(key, num), pad_rows(value, num), key_cache, value_cache, slots,
-                            float(k_scale or 1.0), float(v_scale or 1.0))
+                            float(k_scale or 1.0), float(v_scale or 1.0), cache_layout == "head_major")
     _rebind(key_cache, new_k)
     _rebind(value_cache, new_v)

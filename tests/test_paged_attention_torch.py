@@ -107,10 +107,30 @@ def test_written_cache_is_what_attention_reads():
 def test_opcheck():
     q, k, v, kv_lens, table, cu, live = _batch()
     args = (q[:16], k, v, kv_lens, table, cu, torch.tensor(live, dtype=torch.int32), torch.randn(HQ), 0.125, 0,
-            0.0, True, 1.0, 1.0)
+            0.0, True, 1.0, 1.0, False)
     torch.library.opcheck(torch_ops.attention_op, args)
     slots = torch.arange(8, dtype=torch.int32)
-    torch.library.opcheck(torch_ops.write_op, (q[:8, :HKV], q[:8, :HKV], k, v, slots, 1.0, 1.0))
+    torch.library.opcheck(torch_ops.write_op, (q[:8, :HKV], q[:8, :HKV], k, v, slots, 1.0, 1.0, False))
+
+
+def test_head_major_caches_serve_the_same_step():
+    """The serving step with head-major caches ([pages, Hkv, page_size, D]): the write lands
+    where the token-major write does, in the caller's tensors, and attention gives the same bits."""
+    q, k_cache, v_cache, kv_lens, table, cu, live = _batch(seed=6)
+    g = torch.Generator().manual_seed(7)
+    new_k, new_v = torch.randn(q.shape[0], HKV, D, generator=g), torch.randn(q.shape[0], HKV, D, generator=g)
+    slots = torch.tensor([5, -1, 70, 71, 72, 73, 74, 75, 100, 101, 102, 103, 104, 105, 106, 107, 200, -1],
+                         dtype=torch.int32)[:q.shape[0]]
+    k_head, v_head = (c.transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+    k_ptr = k_head.data_ptr()
+    paged_attention.reshape_and_cache_flash(new_k, new_v, k_cache, v_cache, slots)
+    paged_attention.reshape_and_cache_flash(new_k, new_v, k_head, v_head, slots, cache_layout="head_major")
+    assert k_head.data_ptr() == k_ptr
+    assert torch.equal(k_head, k_cache.transpose(1, 2)) and torch.equal(v_head, v_cache.transpose(1, 2))
+    out = paged_attention.ragged_paged_attention(q, k_head, v_head, kv_lens, table, cu, live, cache_layout="head_major")
+    assert torch.equal(out, paged_attention.ragged_paged_attention(q, k_cache, v_cache, kv_lens, table, cu, live))
+    with pytest.raises(ValueError, match="cache_layout must be one of"):
+        paged_attention.ragged_paged_attention(q, k_head, v_head, kv_lens, table, cu, live, cache_layout="paged")
 
 
 def _edit(arrays: dict, **changes):
