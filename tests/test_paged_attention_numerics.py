@@ -305,17 +305,26 @@ def test_head_major_cache_passes_the_tpu_interpreter():
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
 
 
+WRITE_HEADS, WRITE_DIM = 2, 128
+
+
+def _write_inputs(seed, pages, page_size, tokens, cache_dtype):
+    """Token-major caches, new keys and values (3x the caches' scale), and distinct slots shuffled
+    over the pages."""
+    rng = np.random.default_rng(seed)
+    cache = lambda: jnp.asarray(rng.standard_normal((pages, page_size, WRITE_HEADS, WRITE_DIM)),
+                                jnp.float32).astype(cache_dtype)
+    new = lambda: jnp.asarray(rng.standard_normal((tokens, WRITE_HEADS, WRITE_DIM)) * 3, jnp.float32)
+    k_cache, v_cache, key, value = cache(), cache(), new(), new()
+    return k_cache, v_cache, key, value, rng.permutation(pages * page_size)[:tokens].astype(np.int32)
+
+
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_head_major_cache_write_matches_the_token_major_one(cache_dtype):
     """Head-major caches (written by XLA's scatter) hold what the token-major write kernel
     stores, slot for slot; -1 slots and a slot past the cache write nothing."""
-    rng = np.random.default_rng(5)
-    pages, page_size, hkv, d, tokens = 5, 16, 2, 128, 19
-    k_cache = jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.float32).astype(cache_dtype)
-    v_cache = jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.float32).astype(cache_dtype)
-    key = jnp.asarray(rng.standard_normal((tokens, hkv, d)) * 3, jnp.float32)
-    value = jnp.asarray(rng.standard_normal((tokens, hkv, d)) * 3, jnp.float32)
-    slots = rng.permutation(pages * page_size)[:tokens].astype(np.int32)
+    pages, page_size = 5, 16
+    k_cache, v_cache, key, value, slots = _write_inputs(5, pages, page_size, 19, cache_dtype)
     slots[[2, 9]] = -1
     slots[5] = pages * page_size + 3  # past the cache
     scale = None if cache_dtype == jnp.bfloat16 else 0.05
@@ -332,13 +341,8 @@ def test_cache_write_puts_each_token_at_its_slot(cache_dtype):
     """New tokens land at their slots (shuffled over pages, rows anywhere in a page), -1
     slots are skipped, every other slot keeps its value; quantized caches store value / scale
     rounded (int8: to the nearest integer, saturated)."""
-    rng = np.random.default_rng(3)
-    pages, page_size, hkv, d, tokens = 6, 16, 2, 128, 21
-    k_cache = jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.float32).astype(cache_dtype)
-    v_cache = jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.float32).astype(cache_dtype)
-    key = jnp.asarray(rng.standard_normal((tokens, hkv, d)) * 3, jnp.float32)
-    value = jnp.asarray(rng.standard_normal((tokens, hkv, d)) * 3, jnp.float32)
-    slots = rng.permutation(pages * page_size)[:tokens].astype(np.int32)
+    hkv, d = WRITE_HEADS, WRITE_DIM
+    k_cache, v_cache, key, value, slots = _write_inputs(3, 6, 16, 21, cache_dtype)
     slots[[4, 11]] = -1
     scale = None if cache_dtype == jnp.bfloat16 else 0.05
     k_new, v_new = ops.reshape_and_cache_flash(key, value, k_cache, v_cache, jnp.asarray(slots), scale, scale)
