@@ -15,6 +15,7 @@ from paged_attention._shared.generations import GENERATIONS
 from paged_attention.kernel import BlockSizes
 
 SERVING = tuning.SERVING_LIMITS
+POOL_BYTES = 2 << 30
 
 # (generation, Hq, Hkv, D, page size, cache dtype, options): every generation once, with 16-token
 # pages (`make test`), then each cache dtype, page size and head dim once (`make check-compile`:
@@ -65,7 +66,10 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
                                           interpret=False, **options)
 
     pages_per_seq = SERVING["context"] // page_size
-    num_pages = SERVING["seqs"] * pages_per_seq // 8  # the pool a server shares among its sequences
+    # The pool a server shares among its sequences: an eighth of their room, at most POOL_BYTES a
+    # cache (v5e's 16 GB holds no more at head_dim 256). Its size changes no kernel, only the indices.
+    page = page_size * hkv * d * jnp.dtype(cache_dtype).itemsize
+    num_pages = min(SERVING["seqs"] * pages_per_seq // 8, POOL_BYTES // page)
     page = (hkv, page_size) if layout == "head_major" else (page_size, hkv)
     cache = ((num_pages, *page, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
