@@ -68,10 +68,10 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
     pages_per_seq = SERVING["context"] // page_size
     # The pool a server shares among its sequences: an eighth of their room, at most POOL_BYTES a
     # cache (v5e's 16 GB holds no more at head_dim 256). Its size changes no kernel, only the indices.
-    page = page_size * hkv * d * jnp.dtype(cache_dtype).itemsize
-    num_pages = min(SERVING["seqs"] * pages_per_seq // 8, POOL_BYTES // page)
-    page = (hkv, page_size) if layout == "head_major" else (page_size, hkv)
-    cache = ((num_pages, *page, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
+    page_bytes = page_size * hkv * d * jnp.dtype(cache_dtype).itemsize
+    num_pages = min(SERVING["seqs"] * pages_per_seq // 8, POOL_BYTES // page_bytes)
+    page_dims = (hkv, page_size) if layout == "head_major" else (page_size, hkv)
+    cache = ((num_pages, *page_dims, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
              ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
              ((hq,), jnp.float32)]
