@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -88,9 +89,14 @@ def test_publish_dry_run(built, capsys, tmp_path):
     methods = [line.split()[0] for line in lines]
     assert methods == ["create_repo", "upload_file", "create_branch", "upload_folder"] * len(KERNELS)
     assert all("repo_type=kernel" in line for line in lines)
-    for first in range(0, len(lines), 4):  # per kernel: card on main, then the v<version> branch
-        assert "revision=main" in lines[first + 1] and "branch=v1" in lines[first + 2]
-        assert "revision=v1" in lines[first + 3]
+    manifest = build_collection.load_manifest()["kernels"]
+    for key, first in zip(KERNELS, range(0, len(lines), 4)):  # card on main, then the v<version> branch
+        branch = f"v{manifest[key]['version']}"
+        assert f"repo_id={manifest[key]['repo-id']}" in lines[first]
+        assert "revision=main" in lines[first + 1] and f"branch={branch}" in lines[first + 2]
+        assert f"revision={branch}" in lines[first + 3]
+        # Nothing else is written: earlier versions' branches stay as published, still loadable.
+        assert set(re.findall(r"(?:revision|branch)=(\S+)", "\n".join(lines[first:first + 4]))) == {"main", branch}
 
 
 def test_import_kernels_is_hugging_face_kernels():
