@@ -191,21 +191,13 @@ def tpu_inference_flash(shape: AttentionShape, block_q: int, block_k: int):
 
 
 def _tpu_inference_flash_module():
-    """Its kernel file, loaded past the package's vLLM imports (bench.py's stubs, plus
-    `tpu_inference.utils`, which the kernel imports for one helper); None if not installed."""
-    import types
+    """Its kernel file, loaded past the package's vLLM imports (tpu_inference_kernels.py); None if
+    not installed."""
+    import tpu_inference_kernels
 
-    import bench
-
-    if bench._tpu_inference_gmm() is None:  # installs the package and logger stubs
+    if not tpu_inference_kernels.installed():
         return None
-    if "tpu_inference.utils" not in sys.modules:
-        utils = types.ModuleType("tpu_inference.utils")
-        utils.align_to = lambda x, multiple: -(-x // multiple) * multiple
-        sys.modules["tpu_inference.utils"] = utils
-    import importlib
-
-    return importlib.import_module("tpu_inference.kernels.flash_attention.kernel")
+    return tpu_inference_kernels.module("kernels.flash_attention.kernel")
 
 
 # name -> (fn of (shape, block_q, block_k) or None where n/a, kernel name in libtpu's report, has a backward)

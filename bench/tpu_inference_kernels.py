@@ -49,6 +49,7 @@ def _package() -> None:
     logger.init_logger = init_logger
     utils = types.ModuleType("tpu_inference.utils")
     utils.get_device_name = lambda num_devices=None: DEVICE_NAMES[_target["generation"]]
+    utils.align_to = lambda x, multiple: -(-x // multiple) * multiple  # its flash attention's one helper
     sys.modules.update({"tpu_inference": package, "tpu_inference.logger": logger, "tpu_inference.utils": utils})
 
 

@@ -1,6 +1,11 @@
 """flash attention's block choice (tuned table, else the rule) and the flash bench's goal
-verdicts, on hand-made inputs: cheap checks that run without compiling."""
+verdicts, on hand-made inputs, and that each anchor loads and traces: cheap checks that run without
+compiling."""
 
+import sys
+
+import jax
+import jax.numpy as jnp
 import pytest
 
 import flash_bench
@@ -90,3 +95,19 @@ def test_v6e_head_dims_share_the_reference_entrys_best():
         assert tuple(record["best"]) in flash_tune.followed(reference, g), (d, g, t)
         pairs += 1
     assert pairs >= 12
+
+
+@pytest.mark.parametrize("impl", list(flash_bench.ANCHORS))
+def test_every_anchor_loads_and_traces(impl, monkeypatch):
+    """An anchor that no longer loads (a stub of tpu-inference's package missing a name) would
+    leave every row of it an error, read as "none compiles": each traces on an MHA shape, which
+    all of them serve, through its backward where it has one."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])  # tokamax parses absl flags from sys.argv
+    make, _, has_backward = flash_bench.ANCHORS[impl]
+    shape, tokens = flash_bench.SHAPES[0], 1024
+    fn = make(shape, 512, 512)
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (
+        (1, tokens, shape.q_heads, shape.head_dim), (1, tokens, shape.kv_heads, shape.head_dim),
+        (1, tokens, shape.kv_heads, shape.head_dim), (shape.q_heads,))]
+    out = jax.eval_shape(flash_bench._program(fn, "fwd+bwd" if has_backward else "fwd"), *specs)
+    assert [o.shape for o in jax.tree.leaves(out)] == ([s.shape for s in specs] if has_backward else [specs[0].shape])
