@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._shared.attention_math import LANES, LOG2E, MASKED, as_columns, dot, lanes, scores, start_rows
+from ._shared.attention_math import (LANES, LOG2E, MASKED, as_columns, dot, lanes, scaled_query, scores,
+                                     start_rows)
 
 # The log-sum-exp stored for a row that sees no key: exp(s - EMPTY_LSE) is 0 in the backward
 # (and EMPTY_LSE * log2(e) is still finite).
@@ -104,7 +105,7 @@ def _visible_transposed(lo_ref, hi_ref, part: Part, first_key: jax.Array, mask: 
 # scratch from its first step to its last. Scalar prefetch, in this order:
 # the steps' own-side block and each block's first step, then the other
 # side's run (start, length) per own-side block, then lo_max and hi_min per
-# query block and the largest row_hi of each half of a query block.
+# query block and the largest row_hi of each slice of a query block (`diagonal_slices`).
 #
 # parts: 1, or 2 where a megacore's two cores would not get the same number of
 # KV heads (MQA, an odd Hkv). Then each KV head's own-side blocks are cut in two
@@ -138,41 +139,73 @@ def _clamped(start, count, step):
 
 
 def splits_diagonal(rows_per_block: int, block_k: int) -> bool:
-    """Whether diagonal blocks run in quarters: each half of the rows and of the keys a whole
+    """Whether diagonal blocks run in parts: each half of the rows and of the keys a whole
     number of lane tiles (the dkv kernel has the rows on its lanes)."""
     return rows_per_block % (2 * LANES) == 0 and block_k % (2 * LANES) == 0
 
 
-def _run_step(j, count, body, lo_max, hi_min, half_hi_max, q_block, first_key, whole: Part):
+# Parts narrower than this many keys run no more than 2 slices (MODELED: Gemma-2-9B on tpu7x, 1024 x
+# 512 blocks, 4 slices of 256 x 256: 1.02x the compute of 2).
+MIN_SLICED_KEYS = 512
+
+
+def diagonal_slices(rows_per_block: int, block_q: int, block_k: int) -> int:
+    """How many slices (by tokens) a query block's rows run in on the causal diagonal: 1 (no
+    split), else 2, or more where a slice would hold more tokens than half a key block: parts
+    square in tokens skip the most above the diagonal (MODELED: Llama-2-7B's forward on tpu7x,
+    2048 x 1024 blocks: 4 slices execute 0.94x the FLOPs of 2 in 0.985x the cycles; 256-row
+    slices cost more than they skip). Slices are whole bf16 row tiles. The forward and dq run each slice against each half of the
+    keys; dkv, whose rows are on lanes, runs halves of the rows (half the slices each)."""
+    if not splits_diagonal(rows_per_block, block_k):
+        return 1
+    n = 2
+    while (block_q // n > block_k // 2 >= MIN_SLICED_KEYS and block_q % (2 * n) == 0
+           and rows_per_block // (2 * n) % 16 == 0):
+        n *= 2
+    return n
+
+
+def _run_step(j, count, body, lo_max, hi_min, slice_hi_max, q_block, first_key, whole: Part, slices: int,
+              rows_on_lanes: bool = False):
     """Runs the step's body if the step is in its run, with the least work the blocks need:
     body(None, whole) where every row sees every key of the block, body(BOTH, whole) where
     some row's range starts inside the block, and where every row's range starts before it but
     some ends inside (the causal diagonal) body(UPPER, ...) over the whole block or, with
-    `splits_diagonal`, over only the quarters (halves of the rows by halves of the keys) that
-    some row sees: on a diagonal block of as many tokens as keys, the quarter above the diagonal
-    is skipped. lo_max, hi_min, half_hi_max: the prefetched arrays, read at query block q_block."""
+    `slices` > 1, over only the parts (a slice of the rows by a half of the keys) that some
+    row sees: on a diagonal block of as many tokens as keys, the parts above the diagonal are
+    skipped. The slices run in a loop (one body for all); with rows_on_lanes (dkv) the parts
+    are halves of the rows, static. lo_max, hi_min, slice_hi_max: the prefetched arrays, read
+    at query block q_block."""
     runs = j < count
     starts_before = lo_max[q_block] <= first_key
     ends_after = hi_min[q_block] >= first_key + whole.keys - 1
     pl.when(runs & starts_before & ends_after)(lambda: body(None, whole))
     diagonal = runs & starts_before & jnp.logical_not(ends_after)
-    if not splits_diagonal(whole.rows, whole.keys):
+    if slices == 1:
         pl.when(diagonal)(lambda: body(UPPER, whole))
     else:
-        half_rows, half_keys = whole.rows // 2, whole.keys // 2
-        sees = lambda a, b: half_hi_max[2 * q_block + a] >= first_key + b * half_keys  # rows' half a, keys' half b
-        all_quarters = sees(0, 1) & sees(1, 1)  # (a sees its keys' second half, so its first too)
-        pl.when(diagonal & all_quarters)(lambda: body(UPPER, whole))
-        for a in range(2):
+        half_keys = whole.keys // 2
+        hi_max = lambda a: slice_hi_max[slices * q_block + a]  # a slice's largest row_hi
+        if rows_on_lanes:
+            parts, per_part = 2, slices // 2
+            part_hi_max = lambda a: functools.reduce(jnp.maximum, [hi_max(a * per_part + i) for i in range(per_part)])
+        else:
+            parts, part_hi_max = slices, hi_max
+        part_rows = whole.rows // parts
+        sees = lambda a, b: part_hi_max(a) >= first_key + b * half_keys  # rows' part a, keys' half b
+        # Every part sees its keys' second half (so its first too): one body over the whole block.
+        all_parts = functools.reduce(jnp.logical_and, [sees(a, 1) for a in range(parts)])
+        pl.when(diagonal & all_parts)(lambda: body(UPPER, whole))
+        split = diagonal & jnp.logical_not(all_parts)
+        for a in range(parts):
             for b in range(2):
-                quarter = Part(a * half_rows, half_rows, b * half_keys, half_keys)
-                pl.when(diagonal & jnp.logical_not(all_quarters) & sees(a, b))(
-                    functools.partial(body, UPPER, quarter))
+                part = Part(a * part_rows, part_rows, b * half_keys, half_keys)
+                pl.when(split & sees(a, b))(functools.partial(body, UPPER, part))
     pl.when(runs & jnp.logical_not(starts_before))(lambda: body(BOTH, whole))
 
 
 def _prefetch(steps, run_start, run_count, schedule):
-    return steps.block, steps.first, run_start, run_count, schedule.lo_max, schedule.hi_min, schedule.half_hi_max
+    return steps.block, steps.first, run_start, run_count, schedule.lo_max, schedule.hi_min, schedule.slice_hi_max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,11 +257,11 @@ _PARAMS = dict(dimension_semantics=("parallel", "arbitrary"))
 # ---------------------------------------------------------------- forward
 
 
-def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, half_hi_max,  # scalar prefetch
+def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, slice_hi_max,  # scalar prefetch
                     q_ref, k_ref, v_ref, lo_ref, hi_ref, sink_ref,  # inputs
                     o_ref, lse_ref,  # outputs
                     m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
-                    *, opts: Options, block_k: int, parts: int):
+                    *, opts: Options, block_k: int, parts: int, slices: int):
     i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count, parts)
 
     @pl.when(j == 0)
@@ -241,7 +274,7 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
 
     def step(mask, part: Part):
         rows = part.row_at
-        s, _ = scores(q_ref[rows, :], k_ref[part.key_at, :], opts.scale, opts.softcap)
+        s, _ = scores(q_ref[rows, :], k_ref[part.key_at, :], opts.scale, opts.softcap, q_scaled=not opts.softcap)
         if mask:
             s = jnp.where(_visible(lo_cols, hi_cols, part, first_key, mask), s, MASKED)
         m_prev = m_ref[rows, :]
@@ -255,7 +288,7 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
         acc_ref[rows, :] = lanes(alpha, acc_ref.shape[1]) * acc_ref[rows, :] + dot(p.astype(v.dtype), v, 1, 0)
         m_ref[rows, :] = m_new
 
-    _run_step(j, count, step, lo_max, hi_min, half_hi_max, i, first_key, Part(0, q_ref.shape[0], 0, block_k))
+    _run_step(j, count, step, lo_max, hi_min, slice_hi_max, i, first_key, Part(0, q_ref.shape[0], 0, block_k), slices)
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
@@ -282,9 +315,12 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
     steps = schedule.q_steps
+    if not opts.softcap:
+        q = scaled_query(q, opts.scale)  # XLA fuses it into the copy that lays q out as rows
     maps = _Maps(parts_for(parts, rows // rows_per_block))
     return pl.pallas_call(
-        functools.partial(_forward_kernel, opts=opts, block_k=bk, parts=maps.parts),
+        functools.partial(_forward_kernel, opts=opts, block_k=bk, parts=maps.parts,
+                          slices=diagonal_slices(rows_per_block, blocks.block_q, bk)),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, 1, rows), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
@@ -329,11 +365,11 @@ def _score_grad(p, dp, di, t, opts: Options):
     return ds
 
 
-def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, half_hi_max,
+def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, slice_hi_max,
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                dq_ref,
                acc_ref, lse_cols, di_cols, lo_cols, hi_cols,
-               *, opts: Options, block_k: int, parts: int):
+               *, opts: Options, block_k: int, parts: int, slices: int):
     i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count, parts)
 
     @pl.when(j == 0)
@@ -353,17 +389,17 @@ def _dq_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, half_
         ds = _score_grad(p, dp, lanes(di_cols[rows, :], part.keys), t, opts)
         acc_ref[rows, :] += dot(ds.astype(k.dtype), k, 1, 0)
 
-    _run_step(j, count, step, lo_max, hi_min, half_hi_max, i, first_key, Part(0, q_ref.shape[0], 0, block_k))
+    _run_step(j, count, step, lo_max, hi_min, slice_hi_max, i, first_key, Part(0, q_ref.shape[0], 0, block_k), slices)
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
         dq_ref[...] = (acc_ref[...] * opts.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min, half_hi_max,
+def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min, slice_hi_max,
                 k_ref, v_ref, q_ref, do_ref, lse_ref, di_ref, lo_ref, hi_ref,
                 dk_ref, dv_ref, *rest,
-                opts: Options, block_k: int, parts: int, fuse_dq: bool):
+                opts: Options, block_k: int, parts: int, slices: int, fuse_dq: bool):
     """Works on the transposed scores [block_k, rows] (keys on sublanes, query rows on lanes):
     dV += P^T dO and dK += dS^T Q then contract the rows with no transpose. The per-row
     inputs lse, D, lo and hi come as [1, rows]. With fuse_dq, it also adds dS K into an f32
@@ -401,7 +437,8 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min, half_h
             at = pl.ds(pl.multiple_of(q_block * rows + part.row0, LANES), part.rows)
             dq_acc[at, :] += dot(ds.astype(k.dtype), k, 0, 0)
 
-    _run_step(i, count, step, lo_max, hi_min, half_hi_max, q_block, first_key, Part(0, rows, 0, block_k))
+    _run_step(i, count, step, lo_max, hi_min, slice_hi_max, q_block, first_key, Part(0, rows, 0, block_k), slices,
+              rows_on_lanes=True)
 
     if fuse_dq:
         @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
@@ -430,13 +467,14 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
     lse2 = lse * LOG2E  # the kernels' softmax is in base 2
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
+    slices = diagonal_slices(rows_per_block, blocks.block_q, bk)
     maps = _Maps(parts_for(parts, rows // rows_per_block))
 
     # dq: per query block, its run of key blocks.
     steps = schedule.q_steps
     fuse_dq = fused_dq_vmem_limit is not None
     dq = None if fuse_dq else pl.pallas_call(
-        functools.partial(_dq_kernel, opts=opts, block_k=bk, parts=maps.parts),
+        functools.partial(_dq_kernel, opts=opts, block_k=bk, parts=maps.parts, slices=slices),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
@@ -464,7 +502,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
     steps = schedule.k_steps
     maps = _Maps(parts_for(parts, k.shape[1] // bk))
     dk, dv, *fused_dq = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, block_k=bk, parts=maps.parts, fuse_dq=fuse_dq),
+        functools.partial(_dkv_kernel, opts=opts, block_k=bk, parts=maps.parts, slices=slices, fuse_dq=fuse_dq),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                    *([jax.ShapeDtypeStruct(q.shape, q.dtype)] if fuse_dq else [])),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from ._shared.attention_math import heads_as_rows, rows_as_heads
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
-from .kernel import BlockSizes, Options, backward, forward, parts_for
+from .kernel import BlockSizes, Options, backward, diagonal_slices, forward, parts_for
 from .tuning import check_blocks, choose_blocks, fused_dq_vmem_limit, window_span
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
@@ -55,7 +55,7 @@ class Schedule:
     kv_count: jax.Array  # [nQ] how many key blocks it sees (0: none)
     lo_max: jax.Array  # [nQ] the largest row_lo of its rows
     hi_min: jax.Array  # [nQ] the smallest row_hi of its rows
-    half_hi_max: jax.Array  # [2 nQ] the largest row_hi of each half (by tokens) of a query block
+    slice_hi_max: jax.Array  # [slices nQ] the largest row_hi of each slice (by tokens) of a query block
     q_start: jax.Array  # [nK] first query block that sees a key block
     q_count: jax.Array  # [nK] how many query blocks see it
     q_steps: Steps  # the forward's and dq's grid: per query block, its key blocks
@@ -110,8 +110,9 @@ def cu_seqlens_valid(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
     return (cu_seqlens[0] == 0) & jnp.all(cu_seqlens[1:] >= cu_seqlens[:-1]) & (cu_seqlens[-1] <= num_tokens)
 
 
-def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int, parts: int = 1) -> Schedule:
-    """The block runs of `kernel.py` from the tokens' key ranges (on device)."""
+def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int, parts: int = 1, *, slices: int) -> Schedule:
+    """The block runs of `kernel.py` from the tokens' key ranges (on device); slices:
+    `kernel.diagonal_slices` of the blocks."""
     lo_blocks, hi_blocks = lo.reshape(-1, block_q), hi.reshape(-1, block_q)
     sees = lo_blocks <= hi_blocks
     first = jnp.min(jnp.where(sees, lo_blocks, NO_KEY), axis=1)
@@ -131,7 +132,7 @@ def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int, parts: int = 1
     max_steps = kv_count.shape[0] * q_count.shape[0]  # every pair meets, at most
     return Schedule(kv_start, kv_count, jnp.max(lo_blocks, axis=1).astype(jnp.int32),
                     jnp.min(hi_blocks, axis=1).astype(jnp.int32),
-                    jnp.max(hi.reshape(-1, block_q // 2), axis=1).astype(jnp.int32), q_start, q_count,
+                    jnp.max(hi.reshape(-1, block_q // slices), axis=1).astype(jnp.int32), q_start, q_count,
                     _steps(kv_count, max_steps, parts_for(parts, kv_count.shape[0])),
                     _steps(q_count, max_steps, parts_for(parts, q_count.shape[0])))
 
@@ -158,7 +159,7 @@ def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
     groups, bq, bk = st.opts.groups, st.blocks.block_q, st.blocks.block_k
     num_q, num_k = round_up(q.shape[0], bq), round_up(k.shape[0], bk)
     lo, hi = token_ranges(cu_seqlens_q, cu_seqlens_k, num_q, k.shape[0], st.causal, st.left, st.right)
-    schedule = make_schedule(lo, hi, bq, bk, num_k, st.parts)
+    schedule = make_schedule(lo, hi, bq, bk, num_k, st.parts, slices=diagonal_slices(bq * groups, bq, bk))
     row_lo = jnp.repeat(lo, groups)[None, :]
     row_hi = jnp.repeat(hi, groups)[None, :]
     return num_q, num_k, schedule, row_lo, row_hi

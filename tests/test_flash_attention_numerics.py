@@ -2,6 +2,8 @@
 outputs and gradients (q, k, v, sinks), every masking feature, packed
 sequences of every shape transformers produces."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,8 +93,21 @@ QUARTER_CASES = [
 @pytest.mark.parametrize("blocks,case", QUARTER_CASES, ids=[case[0] for _, case in QUARTER_CASES])
 def test_diagonal_quarters_match_the_reference(blocks, case):
     rows = blocks.block_q * case[3] // case[4]
-    assert kernel.splits_diagonal(rows, blocks.block_k)
+    assert kernel.diagonal_slices(rows, blocks.block_q, blocks.block_k) == 2
     _check_fp32(case, blocks=blocks)
+
+
+def test_diagonal_slices_match_the_reference(monkeypatch):
+    """Four slices of 128 query tokens (G = 2) by halves of 128 keys (MIN_SLICED_KEYS lowered so
+    that small blocks slice): the first sequence has one key more than queries, so a slice's last
+    row sees exactly the first key of a key half; the second puts the diagonal elsewhere."""
+    monkeypatch.setattr(kernel, "MIN_SLICED_KEYS", 128)
+    jax.clear_caches()  # compiled calls do not key on the constant
+    blocks = BlockSizes(block_q=512, block_k=256)
+    assert kernel.diagonal_slices(blocks.block_q * 2, blocks.block_q, blocks.block_k) == 4
+    _check_fp32(("causal_gqa_slices", [700, 300], [701, 300], 2, 1, 64, 64, dict(causal=True, sinks=True)),
+                blocks=blocks)
+    jax.clear_caches()
 
 
 def _check_fp32(case, blocks=SMALL, **call):
@@ -125,13 +140,18 @@ def _check_fp32(case, blocks=SMALL, **call):
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: c[0])
 def test_bf16_forward_is_the_reference_rounded(case):
-    """bf16 inputs are exact; scores and statistics are f32; the probabilities
-    enter the PV matmul rounded to bf16 (2^-9 relative each), and the output
-    is rounded to bf16 (2^-9 relative): within 2^-8 of max |v| per element."""
+    """bf16 inputs are exact; without a cap, q enters scaled by softmax_scale * log2(e) and
+    rounded to bf16 once (the reference is given that q); scores and statistics are f32; the
+    probabilities enter the PV matmul rounded to bf16 (2^-9 relative each), and the output is
+    rounded to bf16 (2^-9 relative): within 2^-8 of max |v| per element."""
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.bfloat16)
     out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, **options)
     assert out.dtype == jnp.bfloat16
-    expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
+    q_used = q.astype(jnp.float32)
+    if not options.get("softcap"):
+        factor = options.get("softmax_scale", q.shape[-1] ** -0.5) * math.log2(math.e)
+        q_used = (q_used * factor).astype(jnp.bfloat16).astype(jnp.float32) / factor
+    expected = reference.attention_varlen(q_used, k, v, cu_q, cu_k, **options)
     assert _max_error(out, expected) <= 2**-8 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
 
 
@@ -179,7 +199,7 @@ def test_schedule_skips_blocks_no_query_sees():
     tokens, block = 1024, 128
     cu = jnp.asarray([0, tokens], jnp.int32)
     lo, hi = ops.token_ranges(cu, cu, tokens, tokens, causal=True, left=-1, right=-1)
-    schedule = ops.make_schedule(lo, hi, block, block, tokens)
+    schedule = ops.make_schedule(lo, hi, block, block, tokens, slices=1)
     np.testing.assert_array_equal(schedule.kv_start, 0)
     np.testing.assert_array_equal(schedule.kv_count, np.arange(1, 9))
     np.testing.assert_array_equal(schedule.q_start, np.arange(8))
@@ -189,12 +209,12 @@ def test_schedule_skips_blocks_no_query_sees():
     np.testing.assert_array_equal(schedule.k_steps.first, np.cumsum([0, 8, 7, 6, 5, 4, 3, 2]))
     # A window of 128 keys: each query block sees its own key block and the one before.
     lo, hi = ops.token_ranges(cu, cu, tokens, tokens, causal=True, left=127, right=-1)
-    schedule = ops.make_schedule(lo, hi, block, block, tokens)
+    schedule = ops.make_schedule(lo, hi, block, block, tokens, slices=1)
     np.testing.assert_array_equal(schedule.kv_count, [1] + [2] * 7)
     assert int(schedule.q_steps.count) == 15
     # Queries past cu_seqlens_q[-1] = 500 see nothing: their block still gets one step, to write its zeros.
     lo, hi = ops.token_ranges(jnp.asarray([0, 500], jnp.int32), cu, tokens, tokens, causal=False, left=-1, right=-1)
-    schedule = ops.make_schedule(lo, hi, 512, block, tokens)
+    schedule = ops.make_schedule(lo, hi, 512, block, tokens, slices=1)
     np.testing.assert_array_equal(schedule.kv_count, [8, 0])
     assert int(schedule.q_steps.count) == 9
 
@@ -206,7 +226,7 @@ def test_schedule_in_two_parts_balances_the_steps():
     tokens, block = 1024, 128
     cu = jnp.asarray([0, tokens], jnp.int32)
     lo, hi = ops.token_ranges(cu, cu, tokens, tokens, causal=True, left=-1, right=-1)
-    steps = ops.make_schedule(lo, hi, block, block, tokens, parts=2).q_steps
+    steps = ops.make_schedule(lo, hi, block, block, tokens, parts=2, slices=1).q_steps
     middle = steps.block.shape[0] // 2
     assert int(steps.count) == 21
     np.testing.assert_array_equal(steps.block[:15], np.repeat(np.arange(5), np.arange(1, 6)))
@@ -214,7 +234,7 @@ def test_schedule_in_two_parts_balances_the_steps():
     np.testing.assert_array_equal(steps.block[middle:middle + 21], np.repeat([5, 6, 7], [6, 7, 8]))
     np.testing.assert_array_equal(steps.first, [0, 1, 3, 6, 10, middle, middle + 6, middle + 13])
     # One block: the second part is empty, and the first runs it all.
-    one = ops.make_schedule(lo[:128], hi[:128], block, block, tokens, parts=2).q_steps
+    one = ops.make_schedule(lo[:128], hi[:128], block, block, tokens, parts=2, slices=1).q_steps
     assert int(one.count) == 1 and int(one.first[0]) == 0
 
 

@@ -78,6 +78,20 @@ def test_other_head_dims_rate_the_reference_entrys_best_candidates():
     assert flash_tune.followed(dict(candidates=[dict(blocks=[512, 512], error="vmem")]), groups=4) is None
 
 
+def test_tuned_table_is_what_the_evidence_chooses():
+    """Every record's best is its fastest candidate, and tuned_blocks.py holds exactly those."""
+    import json
+
+    import flash_tune
+
+    for generation in ("v6e", "tpu7x"):
+        records = json.loads(flash_tune.results_file(generation).read_text())
+        for record in records:
+            fastest = min((c for c in record["candidates"] if "modeled_us" in c), key=lambda c: c["modeled_us"])
+            assert record["best"] == [fastest["blocks"][0] * record["key"][1], fastest["blocks"][1]], record["key"]
+        assert tuning.TUNED[generation] == {tuple(r["key"]): tuple(r["best"]) for r in records}
+
+
 def test_v6e_head_dims_share_the_reference_entrys_best():
     """What FOLLOW rests on: where every head_dim was rated in full (v6e, 2k and 8k), the
     reference head_dim's best is among its FOLLOW best at every other head_dim."""

@@ -21,15 +21,24 @@ def dot(a, b, contract_a: int, contract_b: int):
                                preferred_element_type=jnp.float32, precision=precision)
 
 
-def scores(q, k, scale: float, softcap: float):
+def scores(q, k, scale: float, softcap: float, q_scaled: bool = False):
     """The scaled (and soft-capped) scores times log2(e) [rows, keys] in f32, and tanh of the
     cap's argument (None without a cap). The kernels' softmax runs in base 2: exp2 is what the
-    EUP computes, so folding log2(e) into the scale saves a multiply per score."""
+    EUP computes, so folding log2(e) into the scale saves a multiply per score. q_scaled: q is
+    already `scaled_query(q, scale)` (no cap), which saves the multiply per score."""
     raw = dot(q, k, 1, 1)
     if softcap:
+        assert not q_scaled, "a capped score needs the unscaled product"
         t = jnp.tanh(raw * (scale / softcap))
         return (softcap * LOG2E) * t, t
-    return raw * (scale * LOG2E), None
+    return (raw if q_scaled else raw * (scale * LOG2E)), None
+
+
+def scaled_query(q, scale: float):
+    """q times scale * log2(e), rounded once to q's dtype: the scores' multiply moved from
+    [rows, keys] per key block to [rows, D] once (in bf16 this rounds q once more, as
+    splash attention's and tokamax's scaled queries do)."""
+    return (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)
 
 
 def start_rows(m_ref, l_ref, acc_ref, sink_ref, has_sinks: bool):
