@@ -46,12 +46,24 @@ CACHE_MAJOR_TO_MINOR = (0, 1, 2, 3)
 CACHE_LAYOUTS = ("token_major", "head_major")
 
 
-def cache_dims(cache, cache_layout: str = "token_major") -> tuple[int, int, int, int]:
-    """(pages, page_size, Hkv, D) of a cache held in `cache_layout`."""
+def _check_layout(cache_layout: str):
     if cache_layout not in CACHE_LAYOUTS:
         raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
+
+
+def cache_dims(cache, cache_layout: str = "token_major") -> tuple[int, int, int, int]:
+    """(pages, page_size, Hkv, D) of a cache held in `cache_layout`."""
+    _check_layout(cache_layout)
     pages, a, b, d = cache.shape
     return (pages, b, a, d) if cache_layout == "head_major" else (pages, a, b, d)
+
+
+def cache_shape(num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                cache_layout: str = "token_major") -> tuple[int, int, int, int]:
+    """The shape of a cache held in `cache_layout` (the inverse of `cache_dims`)."""
+    _check_layout(cache_layout)
+    page = (kv_heads, page_size) if cache_layout == "head_major" else (page_size, kv_heads)
+    return (num_pages, *page, head_dim)
 
 
 def _layout_text(cache_layout: str) -> str:

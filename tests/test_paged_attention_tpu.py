@@ -70,8 +70,7 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
     # cache (v5e's 16 GB holds no more at head_dim 256). Its size changes no kernel, only the indices.
     page_bytes = page_size * hkv * d * jnp.dtype(cache_dtype).itemsize
     num_pages = min(SERVING["seqs"] * pages_per_seq // 8, POOL_BYTES // page_bytes)
-    page_dims = (hkv, page_size) if layout == "head_major" else (page_size, hkv)
-    cache = ((num_pages, *page_dims, d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
+    cache = (ops.cache_shape(num_pages, page_size, hkv, d, layout), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
              ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
              ((hq,), jnp.float32)]
@@ -129,7 +128,7 @@ def test_cache_write_compiles_in_place(generation, cache_dtype, d, layout):
         return ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, scale, scale, cache_layout=layout,
                                            interpret=False)
 
-    cache = ((4096, *((8, 16) if layout == "head_major" else (16, 8)), d), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
+    cache = (ops.cache_shape(4096, 16, 8, d, layout), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
     specs = [((1000, 8, d), jnp.bfloat16), ((1000, 8, d), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
     # Head-major caches are written by XLA's scatter (a copy cannot start inside a page's tile).
     writer = "scatter" if layout == "head_major" else "reshape_and_cache"
