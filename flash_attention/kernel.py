@@ -16,8 +16,13 @@ ops.py) and flattened into the grid's steps: a step per pair of blocks that
 meet (and one for a block that meets none, to write its zeros), so blocks
 outside the runs cost neither a DMA, nor compute, nor a grid step. A block
 that every row sees whole skips the mask arithmetic; on the causal diagonal
-a pair of blocks runs in quarters and skips those no row sees
-(`_run_step`).
+a pair of blocks runs in parts (slices of the rows by halves of the keys,
+`diagonal_slices`) and skips those no row sees (`_run_step`). Without a
+softcap the forward scales a query block by softmax_scale * log2(e) once
+(`scaled_query`, into VMEM), which saves a multiply per score. (Scaling q in
+XLA before the kernel saves as much inside it, but costs a pass over q that
+the training step's backward cannot share: MODELED, gpt-oss-20b on v6e,
++179 us around its 8k training step's kernels.)
 
 Statistics are kept in f32 whatever the input dtype, in base 2 (exp2 is the
 EUP's operation; log2(e) is folded into the scale), each row's held
@@ -260,7 +265,7 @@ _PARAMS = dict(dimension_semantics=("parallel", "arbitrary"))
 def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, slice_hi_max,  # scalar prefetch
                     q_ref, k_ref, v_ref, lo_ref, hi_ref, sink_ref,  # inputs
                     o_ref, lse_ref,  # outputs
-                    m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
+                    m_ref, l_ref, acc_ref, lo_cols, hi_cols, q_scaled,  # scratch
                     *, opts: Options, block_k: int, parts: int, slices: int):
     i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count, parts)
 
@@ -269,12 +274,15 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
         lo_cols[...] = as_columns(lo_ref[...])
         hi_cols[...] = as_columns(hi_ref[...])
         start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
+        if not opts.softcap:
+            q_scaled[...] = scaled_query(q_ref[...], opts.scale)
 
     first_key = kv_block * block_k
+    q_rows = q_ref if opts.softcap else q_scaled  # a cap needs the unscaled product
 
     def step(mask, part: Part):
         rows = part.row_at
-        s, _ = scores(q_ref[rows, :], k_ref[part.key_at, :], opts.scale, opts.softcap, q_scaled=not opts.softcap)
+        s, _ = scores(q_rows[rows, :], k_ref[part.key_at, :], opts.scale, opts.softcap, q_scaled=not opts.softcap)
         if mask:
             s = jnp.where(_visible(lo_cols, hi_cols, part, first_key, mask), s, MASKED)
         m_prev = m_ref[rows, :]
@@ -315,8 +323,6 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
     steps = schedule.q_steps
-    if not opts.softcap:
-        q = scaled_query(q, opts.scale)  # XLA fuses it into the copy that lays q out as rows
     maps = _Maps(parts_for(parts, rows // rows_per_block))
     return pl.pallas_call(
         functools.partial(_forward_kernel, opts=opts, block_k=bk, parts=maps.parts,
@@ -337,7 +343,9 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
                        pl.BlockSpec((None, 1, rows_per_block), maps.own_lanes)],
             scratch_shapes=[*_column_scratch(rows_per_block, jnp.float32, jnp.float32),  # m, l
                             pltpu.VMEM((rows_per_block, dv), jnp.float32),  # acc
-                            *_column_scratch(rows_per_block, jnp.int32, jnp.int32)],  # lo, hi
+                            *_column_scratch(rows_per_block, jnp.int32, jnp.int32),  # lo, hi
+                            # q times scale * log2(e), once per query block (unused under a cap)
+                            pltpu.VMEM((rows_per_block, d) if not opts.softcap else (16, LANES), q.dtype)],
         ),
         compiler_params=pltpu.CompilerParams(**_PARAMS),
         interpret=interpret,

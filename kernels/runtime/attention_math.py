@@ -36,8 +36,8 @@ def scores(q, k, scale: float, softcap: float, q_scaled: bool = False):
 
 def scaled_query(q, scale: float):
     """q times scale * log2(e), rounded once to q's dtype: the scores' multiply moved from
-    [rows, keys] per key block to [rows, D] once (in bf16 this rounds q once more, as
-    splash attention's and tokamax's scaled queries do)."""
+    [rows, keys] per key block to [rows, D] once per query block (in bf16 this rounds q once
+    more, as splash attention's and tokamax's scaled queries do)."""
     return (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)
 
 
