@@ -159,8 +159,9 @@ def diagonal_slices(rows_per_block: int, block_q: int, block_k: int) -> int:
     split), else 2, or more where a slice would hold more tokens than half a key block: parts
     square in tokens skip the most above the diagonal (MODELED: Llama-2-7B's forward on tpu7x,
     2048 x 1024 blocks: 4 slices execute 0.94x the FLOPs of 2 in 0.985x the cycles; 256-row
-    slices cost more than they skip). Slices are whole bf16 row tiles. The forward and dq run each slice against each half of the
-    keys; dkv, whose rows are on lanes, runs halves of the rows (half the slices each)."""
+    slices cost more than they skip). Slices are whole bf16 row tiles. The forward and dq run
+    each slice against each half of the keys; dkv, whose rows are on lanes, runs halves of the
+    rows (half the slices each)."""
     if not splits_diagonal(rows_per_block, block_k):
         return 1
     n = 2
@@ -178,9 +179,9 @@ def _run_step(j, count, body, lo_max, hi_min, slice_hi_max, q_block, first_key, 
     some ends inside (the causal diagonal) body(UPPER, ...) over the whole block or, with
     `slices` > 1, over only the parts (a slice of the rows by a half of the keys) that some
     row sees: on a diagonal block of as many tokens as keys, the parts above the diagonal are
-    skipped. The slices run in a loop (one body for all); with rows_on_lanes (dkv) the parts
-    are halves of the rows, static. lo_max, hi_min, slice_hi_max: the prefetched arrays, read
-    at query block q_block."""
+    skipped. With rows_on_lanes (dkv) the parts are halves of the rows. Each part is a body of
+    its own (a loop over slices hides which run from the bench's model of the schedule).
+    lo_max, hi_min, slice_hi_max: the prefetched arrays, read at query block q_block."""
     runs = j < count
     starts_before = lo_max[q_block] <= first_key
     ends_after = hi_min[q_block] >= first_key + whole.keys - 1
