@@ -65,8 +65,11 @@ def fused_dq_vmem_limit(rows: int, head_dim: int, value_dim: int, itemsize: int,
     """The VMEM limit under which the dkv kernel also accumulates dq (kernel.backward), or None
     where a KV head's dq does not fit in FUSED_DQ_FRACTION of the chip's VMEM: its f32
     accumulator and its output block (double-buffered), next to a generous estimate of dkv's
-    own use (a few f32 score blocks, its double-buffered input blocks, its accumulators)."""
+    own use (a few f32 score blocks, its double-buffered input blocks, its accumulators). Head
+    dims count as VMEM holds them, padded to whole lanes (gpt-oss-20b's 64 take 128: unpadded,
+    its 8k training step was fused on tpu7x and did not fit)."""
     rows_per_block, keys = blocks.block_q * groups, blocks.block_k
+    head_dim, value_dim = round_up(head_dim, LANES), round_up(value_dim, LANES)
     dq = rows * head_dim * (4 + 2 * itemsize)
     own = (3 * rows_per_block * keys * 4 + 2 * (rows_per_block + keys) * (head_dim + value_dim) * itemsize
            + keys * (head_dim + value_dim) * 4)

@@ -26,6 +26,8 @@ MORE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GEN
     ("v5e", 1024, 8, 4, 256, 256, jnp.bfloat16, dict(causal=True, softcap=50.0, window_size=(255, 0))),
     # 8k on the smallest VMEM: the dkv kernel keeps a KV head's 8k x 4 rows of dq in VMEM.
     ("tpu7x", 8192, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)),
+    # gpt-oss-20b's sliding layer at 8k: 8k x 8 rows of head_dim 64 (128 lanes in VMEM) do not fit.
+    ("tpu7x", 8192, 16, 2, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     # 128k tokens: the rule grows the blocks until the step list fits SMEM; dq gets its own kernel.
     ("v5e", 131072, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)),
 ]
@@ -37,10 +39,11 @@ def test_forward_and_backward_compile(case):
     generation, tokens, _, hkv = case[:4]
     names = " ".join(compile_forward_backward(*case).kernels)
     assert "fwd" in names and "dkv" in names, names
-    # dq has a kernel of its own where a KV head's dq does not fit VMEM (here, at 128k tokens) or
-    # where a megacore splits each KV head's steps.
+    # dq has a kernel of its own where a KV head's dq does not fit VMEM (here, at 128k tokens and
+    # gpt-oss-20b's 8k) or where a megacore splits each KV head's steps.
     halves = GENERATIONS[generation].cores_per_device > 1 and hkv % 2 == 1
-    assert ("_dq" in names) == (tokens == 131072 or halves), names
+    too_big = tokens == 131072 or (tokens == 8192 and case[4] == 64)
+    assert ("_dq" in names) == (too_big or halves), names
 
 
 def tuned_entries():

@@ -10,6 +10,7 @@ import pytest
 
 import flash_bench
 from flash_attention import tuning
+from flash_attention.kernel import BlockSizes
 
 
 @pytest.mark.parametrize("call,key", [
@@ -76,6 +77,15 @@ def test_other_head_dims_rate_the_reference_entrys_best_candidates():
     assert flash_tune.followed(reference, groups=4) == [(1024, 1024), (2048, 1024)]  # (rows, keys), fastest first
     assert flash_tune.followed(None, groups=4) is None
     assert flash_tune.followed(dict(candidates=[dict(blocks=[512, 512], error="vmem")]), groups=4) is None
+
+
+def test_fused_dq_counts_head_dims_padded_to_lanes():
+    """gpt-oss-20b's 8k training step on tpu7x (head_dim 64, G = 8, the window's 128 x 128 blocks):
+    its dq held in VMEM takes 8k x 8 rows x 128 lanes x (f32 + 2 bf16) = 64 MiB, over a 64 MiB
+    core's budget (unpadded it looked like half that, and libtpu ran out of VMEM). Llama-3-8B's
+    (head_dim 128, its tuned 512 x 512 blocks) still fits."""
+    assert tuning.fused_dq_vmem_limit(8192 * 8, 64, 64, 2, BlockSizes(128, 128), 8, "tpu7x") is None
+    assert tuning.fused_dq_vmem_limit(8192 * 4, 128, 128, 2, BlockSizes(512, 512), 4, "tpu7x") is not None
 
 
 def test_tuned_table_is_what_the_evidence_chooses():
