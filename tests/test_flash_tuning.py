@@ -94,7 +94,8 @@ def test_tuned_table_is_what_the_evidence_chooses():
 
     import flash_tune
 
-    for generation in ("v6e", "tpu7x"):
+    assert set(tuning.TUNED) >= {"v6e", "tpu7x"}
+    for generation in tuning.TUNED:
         records = json.loads(flash_tune.results_file(generation).read_text())
         for record in records:
             fastest = min((c for c in record["candidates"] if "modeled_us" in c), key=lambda c: c["modeled_us"])
