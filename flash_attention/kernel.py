@@ -171,6 +171,11 @@ def diagonal_slices(rows_per_block: int, block_q: int, block_k: int) -> int:
     return n
 
 
+def _slices(schedule, rows: int, rows_per_block: int) -> int:
+    """The diagonal slices the schedule was made for (ops.make_schedule: `diagonal_slices`)."""
+    return schedule.slice_hi_max.shape[0] // (rows // rows_per_block)
+
+
 def _run_step(j, count, body, lo_max, hi_min, slice_hi_max, q_block, first_key, whole: Part, slices: int,
               rows_on_lanes: bool = False):
     """Runs the step's body if the step is in its run, with the least work the blocks need:
@@ -327,7 +332,7 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
     maps = _Maps(parts_for(parts, rows // rows_per_block))
     return pl.pallas_call(
         functools.partial(_forward_kernel, opts=opts, block_k=bk, parts=maps.parts,
-                          slices=diagonal_slices(rows_per_block, blocks.block_q, bk)),
+                          slices=_slices(schedule, rows, rows_per_block)),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, 1, rows), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
@@ -476,7 +481,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
     lse2 = lse * LOG2E  # the kernels' softmax is in base 2
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
-    slices = diagonal_slices(rows_per_block, blocks.block_q, bk)
+    slices = _slices(schedule, rows, rows_per_block)
     maps = _Maps(parts_for(parts, rows // rows_per_block))
 
     # dq: per query block, its run of key blocks.
