@@ -10,7 +10,12 @@ model (flash_bench.measure: each candidate compiled by libtpu for that
 generation, its own schedule, the grid walk of one causal sequence) on a
 training step's attention (forward and backward, bf16, 8 KV heads), and
 keeps the fastest that compiles. A candidate is given as (query rows, keys)
-per block, rows being block_q tokens times G.
+per block, rows being block_q tokens times G. On the kept blocks it then
+rates libtpu's LP scheduler for the forward and for the backward's kernels
+(4 more compiles; `rate_scheduler`, `lp_choice`): on the bench's five 8k
+shapes on tpu7x it moved the forward by -8% to +11% and the training step
+(LP on the backward) by -3% to +8% (MODELED), so each entry chooses. `--scheduler` rates it alone on
+the entries the results already hold.
 
 head_dim 128 is rated over every candidate; head_dim 64 and 256 over the
 `FOLLOW` best of head_dim 128's ranking at the same G and length (all of them
@@ -25,6 +30,7 @@ flash_attention/tuned_blocks.py (generated from those files; do not edit it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -41,6 +47,7 @@ KV_HEADS = 8
 CANDIDATES = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024), (4096, 512))  # (rows, keys)
 REFERENCE_HEAD_DIM = 128  # rated over every candidate, first
 FOLLOW = 2  # the other head_dims rate this many of its best
+LP_MARGIN = 0.01  # see lp_choice
 RESULTS = flash_bench.BENCH / "results"
 TABLE = flash_bench.REPO / "flash_attention" / "tuned_blocks.py"
 
@@ -65,11 +72,7 @@ def followed(reference: dict | None, groups: int) -> list[tuple[int, int]] | Non
 def tune_entry(head_dim: int, groups: int, tokens: int, generation: str, reference: dict | None = None) -> dict:
     """reference: head_dim 128's record at the same G and length, whose best candidates this
     entry rates first (`followed`)."""
-    from flash_attention import ops
-    import jax.numpy as jnp
-
-    shape = flash_bench.AttentionShape(f"d{head_dim} G{groups}", KV_HEADS * groups, KV_HEADS, head_dim)
-    cu = jnp.asarray([0, tokens], jnp.int32)
+    shape = rating_shape(head_dim, groups)
     rated = {}
 
     def rate(candidates):
@@ -77,14 +80,7 @@ def tune_entry(head_dim: int, groups: int, tokens: int, generation: str, referen
             blocks = candidate_blocks(rows, keys, groups, tokens)
             if blocks is None or (blocks.block_q, blocks.block_k) in rated:
                 continue
-
-            def attention(q, k, v, sinks, blocks=blocks):
-                return ops.flash_attention_varlen(q[0], k[0], v[0], cu, cu, causal=True, blocks=blocks,
-                                                  generation=generation, interpret=False)[None]
-
-            row = flash_bench.measure(flash_bench._program(attention, "fwd+bwd"), shape, tokens, generation,
-                                      flash_bench.KERNEL_NAME)
-            row.pop("costs", None)
+            row = measure(shape, tokens, generation, blocks, "fwd+bwd")
             rated[(blocks.block_q, blocks.block_k)] = row
             print(f"  {blocks.block_q}x{blocks.block_k}: "
                   + (f"{row['modeled_us']:.1f} us" if "modeled_us" in row else row["error"]), flush=True)
@@ -97,11 +93,64 @@ def tune_entry(head_dim: int, groups: int, tokens: int, generation: str, referen
     if not ok:
         raise RuntimeError(f"no candidate compiles for d={head_dim} G={groups} {tokens} tokens on {generation}")
     best = min(ok, key=lambda b: ok[b]["modeled_us"])
-    return dict(key=[head_dim, groups, tokens], generation=generation, best=[best[0] * groups, best[1]],
-                **({"rated": f"the {len(first)} best of head_dim {REFERENCE_HEAD_DIM}"} if first else {}),
-                vmem_used=ok[best]["vmem_used"],
-                candidates=[dict(blocks=list(b), **{k: v for k, v in r.items() if k in (
-                    "modeled_us", "compute_us", "dma_us", "around_us", "vmem_used", "error")}) for b, r in rated.items()])
+    record = dict(key=[head_dim, groups, tokens], generation=generation, best=[best[0] * groups, best[1]],
+                  **({"rated": f"the {len(first)} best of head_dim {REFERENCE_HEAD_DIM}"} if first else {}),
+                  vmem_used=ok[best]["vmem_used"],
+                  candidates=[dict(blocks=list(b), **{k: v for k, v in r.items() if k in (
+                      "modeled_us", "compute_us", "dma_us", "around_us", "vmem_used", "error")})
+                              for b, r in rated.items()])
+    return dict(record, scheduler=rate_scheduler(record))
+
+
+def rating_shape(head_dim: int, groups: int) -> flash_bench.AttentionShape:
+    return flash_bench.AttentionShape(f"d{head_dim} G{groups}", KV_HEADS * groups, KV_HEADS, head_dim)
+
+
+def measure(shape, tokens: int, generation: str, blocks: kernel.BlockSizes, pass_name: str) -> dict:
+    """The bench's model of one causal sequence's attention with these blocks."""
+    from flash_attention import ops
+    import jax.numpy as jnp
+
+    cu = jnp.asarray([0, tokens], jnp.int32)
+
+    def attention(q, k, v, sinks):
+        return ops.flash_attention_varlen(q[0], k[0], v[0], cu, cu, causal=True, blocks=blocks,
+                                          generation=generation, interpret=False)[None]
+
+    row = flash_bench.measure(flash_bench._program(attention, pass_name), shape, tokens, generation,
+                              flash_bench.KERNEL_NAME)
+    row.pop("costs", None)
+    return row
+
+
+def rate_scheduler(record: dict) -> dict:
+    """Rates libtpu's LP scheduler on the record's best blocks against the default one: for the
+    forward on a forward alone, for the backward's kernels on a forward and backward (its
+    forward compiled as default). {pass: {variant: modeled us, or the error}}."""
+    (head_dim, groups, tokens), generation = record["key"], record["generation"]
+    shape = rating_shape(head_dim, groups)
+    base = candidate_blocks(*record["best"], groups, tokens)
+    rated = {}
+    for pass_name, variant in (("fwd", "lp_forward"), ("fwd+bwd", "lp_backward")):
+        for name, blocks in (("default", base), (variant, dataclasses.replace(base, **{variant: True}))):
+            row = measure(shape, tokens, generation, blocks, pass_name)
+            rated.setdefault(pass_name, {})[name] = round(row["modeled_us"], 1) if "modeled_us" in row else row["error"]
+            print(f"  {pass_name} {name}: {rated[pass_name][name]}", flush=True)
+    return rated
+
+
+def lp_choice(scheduler: dict) -> tuple[bool, bool]:
+    """(lp_forward, lp_backward): the LP scheduler where it is modeled at least LP_MARGIN faster
+    than the default (which every other kernel is compiled with)."""
+    def faster(rates, variant):
+        lp, default = rates[variant], rates["default"]
+        return isinstance(lp, float) and isinstance(default, float) and lp < (1 - LP_MARGIN) * default
+    return faster(scheduler["fwd"], "lp_forward"), faster(scheduler["fwd+bwd"], "lp_backward")
+
+
+def table_value(record: dict) -> tuple:
+    """(rows, keys), then (lp_forward, lp_backward) where the scheduler was rated."""
+    return tuple(record["best"]) + (lp_choice(record["scheduler"]) if "scheduler" in record else ())
 
 
 def results_file(generation: str):
@@ -117,7 +166,8 @@ def write_table() -> None:
         "Key: (head_dim, G, tokens), as `tuning.table_key` buckets a call; value: (query rows, keys) per",
         "block, rows being block_q tokens times G. Each entry is the candidate with the lowest MODELED",
         "forward-and-backward time of one causal sequence there, compiled by libtpu for its generation",
-        "(VMEM used in the comment).",
+        "(VMEM used in the comment); then, where rated, whether the forward and the backward compile with",
+        "libtpu's LP scheduler (kernel.BlockSizes: lp_forward, lp_backward).",
         '"""',
         "",
         "TUNED = {",
@@ -128,7 +178,7 @@ def write_table() -> None:
             continue
         lines.append(f"    {generation!r}: {{")
         for record in json.loads(path.read_text()):
-            lines.append(f"        {tuple(record['key'])}: {tuple(record['best'])},  # {record['vmem_used'] / 2**20:.1f} MiB")
+            lines.append(f"        {tuple(record['key'])}: {table_value(record)},  # {record['vmem_used'] / 2**20:.1f} MiB")
         lines.append("    },")
     lines.append("}")
     TABLE.write_text("\n".join(lines) + "\n")
@@ -142,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     parser.add_argument("--write-table", action="store_true", help="only regenerate tuned_blocks.py")
     parser.add_argument("--redo", action="store_true", help="rate again the entries the results already hold")
+    parser.add_argument("--scheduler", action="store_true",
+                        help="rate the LP scheduler on the entries the results hold without it (their blocks kept)")
     args = parser.parse_args(argv)
     sys.argv = sys.argv[:1]
     start = time.perf_counter()
@@ -152,11 +204,16 @@ def main(argv=None) -> int:
         for t in args.tokens:
             for g in args.groups:
                 for d in head_dims:
-                    if (d, g, t) in records and not args.redo:
-                        continue
-                    print(f"{generation} d={d} G={g} {t} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
-                    reference = None if d == REFERENCE_HEAD_DIM else records.get((REFERENCE_HEAD_DIM, g, t))
-                    records[(d, g, t)] = tune_entry(d, g, t, generation, reference)
+                    record = records.get((d, g, t))
+                    if record and not args.redo:
+                        if "scheduler" in record or not args.scheduler:
+                            continue
+                        print(f"{generation} d={d} G={g} {t} tokens: the scheduler", flush=True)
+                        record["scheduler"] = rate_scheduler(record)
+                    else:
+                        print(f"{generation} d={d} G={g} {t} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
+                        reference = None if d == REFERENCE_HEAD_DIM else records.get((REFERENCE_HEAD_DIM, g, t))
+                        records[(d, g, t)] = tune_entry(d, g, t, generation, reference)
                     path.write_text(json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")

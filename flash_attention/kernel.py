@@ -55,8 +55,13 @@ UPPER, BOTH = "upper", "both"  # which ends of the rows' key ranges a block's ma
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
+    """How a call is tiled and compiled: the tuning table's choice (tuning.choose_blocks)."""
     block_q: int  # query tokens per block (its rows are block_q * G); a multiple of 16
     block_k: int  # key tokens per block; a multiple of 128
+    # libtpu's LP instruction scheduler for the forward kernel / the backward's kernels: it moves a
+    # kernel's schedule both ways (a few percent), so the table chooses it per entry.
+    lp_forward: bool = False
+    lp_backward: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +267,9 @@ def _column_scratch(rows_per_block, *dtypes):
     return [pltpu.VMEM((rows_per_block, LANES), dtype) for dtype in dtypes]
 
 
-_PARAMS = dict(dimension_semantics=("parallel", "arbitrary"))
+def _compiler_params(lp_scheduler: bool, **extra):
+    flags = {"XLA_TPU_FORCE_LP_LLO_SCHEDULER": True} if lp_scheduler else None
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), flags=flags, **extra)
 
 
 # ---------------------------------------------------------------- forward
@@ -353,7 +360,7 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
                             # q times scale * log2(e), once per query block (unused under a cap)
                             pltpu.VMEM((rows_per_block, d) if not opts.softcap else (16, LANES), q.dtype)],
         ),
-        compiler_params=pltpu.CompilerParams(**_PARAMS),
+        compiler_params=_compiler_params(blocks.lp_forward),
         interpret=interpret,
         name="flash_attention_fwd",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, row_lo, row_hi, sink_rows)
@@ -507,7 +514,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
             scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32),
                             *_column_scratch(rows_per_block, jnp.float32, jnp.float32, jnp.int32, jnp.int32)],
         ),
-        compiler_params=pltpu.CompilerParams(**_PARAMS),
+        compiler_params=_compiler_params(blocks.lp_backward),
         interpret=interpret,
         name="flash_attention_dq",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse2, di, row_lo, row_hi)
@@ -537,7 +544,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32),
                             *([pltpu.VMEM((rows, d), jnp.float32)] if fuse_dq else [])],
         ),
-        compiler_params=pltpu.CompilerParams(**_PARAMS, vmem_limit_bytes=fused_dq_vmem_limit),
+        compiler_params=_compiler_params(blocks.lp_backward, vmem_limit_bytes=fused_dq_vmem_limit),
         interpret=interpret,
         name="flash_attention_dkv",
     )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse2, di, row_lo, row_hi)

@@ -4,18 +4,21 @@
 Key: (head_dim, G, tokens), as `tuning.table_key` buckets a call; value: (query rows, keys) per
 block, rows being block_q tokens times G. Each entry is the candidate with the lowest MODELED
 forward-and-backward time of one causal sequence there, compiled by libtpu for its generation
-(VMEM used in the comment).
+(VMEM used in the comment); then, where rated, whether the forward and the backward compile with
+libtpu's LP scheduler (kernel.BlockSizes: lp_forward, lp_backward).
 """
 
 TUNED = {
     'v5e': {
         (64, 1, 2048): (1024, 1024),  # 12.6 MiB
         (64, 4, 2048): (2048, 512),  # 18.8 MiB
+        (64, 8, 2048): (2048, 512),  # 26.8 MiB
         (128, 1, 2048): (1024, 1024),  # 12.6 MiB
         (128, 4, 2048): (2048, 512),  # 18.8 MiB
         (128, 8, 2048): (2048, 512),  # 26.8 MiB
         (256, 1, 2048): (1024, 1024),  # 24.3 MiB
         (256, 4, 2048): (2048, 512),  # 36.4 MiB
+        (256, 8, 2048): (2048, 512),  # 52.4 MiB
     },
     'v6e': {
         (64, 1, 2048): (1024, 1024),  # 12.7 MiB

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 import tpu_compile
 
-from flash_attention import ops, tuning
+from flash_attention import kernel, ops, tuning
 from flash_attention._shared.generations import GENERATIONS
 
 # (generation, tokens, Hq, Hkv, D, Dv, dtype, options). `make test` compiles each generation
@@ -47,20 +47,44 @@ def test_forward_and_backward_compile(case):
 
 
 def tuned_entries():
-    return [(gen, key, rows_keys) for gen, table in tuning.TUNED.items() for key, rows_keys in table.items()]
+    return [(gen, key, value) for gen, table in tuning.TUNED.items() for key, value in table.items()]
 
 
-@pytest.mark.parametrize("generation,key,rows_keys", tuned_entries())
-def test_tuned_entry_is_chosen(generation, key, rows_keys):
-    """A call at an entry's own head_dim, G and length gets the entry's blocks."""
+@pytest.mark.parametrize("generation,key,value", tuned_entries())
+def test_tuned_entry_is_chosen(generation, key, value):
+    """A call at an entry's own head_dim, G and length gets the entry's blocks and scheduler."""
     d, groups, tokens = key
     blocks = tuning.choose_blocks(tokens, tokens, d, d, groups, 2, generation)
-    assert (blocks.block_q * groups, blocks.block_k) == rows_keys
+    chosen = (blocks.block_q * groups, blocks.block_k, blocks.lp_forward, blocks.lp_backward)
+    assert chosen == (value + (False, False))[:4]
 
 
-@pytest.mark.parametrize("generation,key,rows_keys",
+@pytest.mark.parametrize("lp_forward,lp_backward", [(True, False), (False, True)])
+def test_lp_scheduler_reaches_its_kernels_only(lp_forward, lp_backward):
+    """BlockSizes' scheduler choice is in the compiler flags of the kernels it names, not the others."""
+    import re
+
+    cu = jnp.asarray([0, 512], jnp.int32)
+    blocks = kernel.BlockSizes(256, 256, lp_forward=lp_forward, lp_backward=lp_backward)
+
+    def forward_backward(q, k, v):
+        attend = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu, cu, causal=True, blocks=blocks,
+                                                            generation="v6e", interpret=False)
+        out, pullback = jax.vjp(attend, q, k, v)
+        return pullback(out)
+
+    device = tpu_compile.device_for("v6e")
+    spec = jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device))
+    with jax.default_device(device):
+        text = jax.jit(forward_backward).lower(spec, spec, spec).as_text()
+    flagged = {re.search(r'kernel_name = "(\w+)"', line).group(1): "XLA_TPU_FORCE_LP_LLO_SCHEDULER" in line
+               for line in text.splitlines() if "tpu_custom_call" in line}
+    assert flagged == {"flash_attention_fwd": lp_forward, "flash_attention_dkv": lp_backward}
+
+
+@pytest.mark.parametrize("generation,key,value",
                          tuned_entries() if os.environ.get("FLASH_CHECK_ALL_TUNED") == "1" else [])
-def test_tuned_entry_compiles(generation, key, rows_keys):
+def test_tuned_entry_compiles(generation, key, value):
     """`make check-tuned`: every entry compiles at its own shape (2 KV heads: VMEM does not depend
     on the head count). `make tune-flash` compiled each when it rated it; a tuned entry's large
     blocks take libtpu minutes, so `make test` compiles the small per-generation sample above."""

@@ -25,15 +25,16 @@ def test_table_key_buckets_a_call(call, key):
 
 
 def test_tuned_entry_serves_bf16_calls_of_its_bucket_only(monkeypatch):
-    monkeypatch.setattr(tuning, "TUNED", {"v6e": {(128, 4, 8192): (1024, 1024)}})
+    monkeypatch.setattr(tuning, "TUNED", {"v6e": {(128, 4, 8192): (1024, 1024, True, False)}})
     tuned = tuning.choose_blocks(8000, 8000, 128, 128, 4, 2, "v6e")
-    assert (tuned.block_q * 4, tuned.block_k) == (1024, 1024)
+    assert (tuned.block_q * 4, tuned.block_k, tuned.lp_forward, tuned.lp_backward) == (1024, 1024, True, False)
     rule = tuning.GQA_BLOCK
     for call in [dict(itemsize=4), dict(generation="v5e"), dict(window=127), dict(num_q=2048)]:
         args = dict(num_q=8000, num_k=8000, head_dim=128, value_dim=128, groups=4, itemsize=2, generation="v6e")
         args.update(call)
         blocks = tuning.choose_blocks(**args)
         assert (blocks.block_q * 4, blocks.block_k) != (1024, 1024), call
+        assert not blocks.lp_forward, call  # the scheduler choice comes with the entry only
         if "window" not in call:
             assert (blocks.block_q * 4, blocks.block_k) == rule
 
@@ -100,7 +101,24 @@ def test_tuned_table_is_what_the_evidence_chooses():
         for record in records:
             fastest = min((c for c in record["candidates"] if "modeled_us" in c), key=lambda c: c["modeled_us"])
             assert record["best"] == [fastest["blocks"][0] * record["key"][1], fastest["blocks"][1]], record["key"]
-        assert tuning.TUNED[generation] == {tuple(r["key"]): tuple(r["best"]) for r in records}
+        assert tuning.TUNED[generation] == {tuple(r["key"]): flash_tune.table_value(r) for r in records}
+
+
+def test_lp_scheduler_is_chosen_where_modeled_faster_by_the_margin():
+    """The LP scheduler is taken per kernel only where it is modeled at least LP_MARGIN faster; a
+    variant that did not compile (an error string) is never taken."""
+    import flash_tune
+
+    def rated(fwd_lp, bwd_lp):
+        return {"fwd": {"default": 1000.0, "lp_forward": fwd_lp}, "fwd+bwd": {"default": 3000.0, "lp_backward": bwd_lp}}
+
+    assert flash_tune.lp_choice(rated(980.0, 3000.0)) == (True, False)
+    assert flash_tune.lp_choice(rated(995.0, 2900.0)) == (False, True)  # 0.5% is within the margin
+    assert flash_tune.lp_choice(rated("RESOURCE_EXHAUSTED", 2000.0)) == (False, True)
+    record = dict(key=[128, 4, 8192], best=[2048, 512], scheduler=rated(900.0, 3100.0))
+    assert flash_tune.table_value(record) == (2048, 512, True, False)
+    del record["scheduler"]
+    assert flash_tune.table_value(record) == (2048, 512)  # not rated: the default scheduler
 
 
 def test_v6e_head_dims_share_the_reference_entrys_best():
