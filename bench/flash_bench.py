@@ -70,8 +70,9 @@ BENCH_GENERATIONS = ("v6e", "tpu7x")
 KERNEL_NAME = "flash_attention"  # ours; anchors are matched by their own names
 
 
-def ours(shape: AttentionShape, tokens: int, generation: str):
-    """(fn(q, k, v, sinks), blocks): our varlen attention over one causal sequence."""
+def ours(shape: AttentionShape, tokens: int, generation: str, pass_name: str):
+    """(fn(q, k, v, sinks), tiling): our varlen attention over one causal sequence, and how its
+    kernels are tiled and, where the pass runs them, which compile with libtpu's LP scheduler."""
     from flash_attention import ops, tuning
 
     cu = jnp.asarray([0, tokens], jnp.int32)
@@ -84,7 +85,8 @@ def ours(shape: AttentionShape, tokens: int, generation: str):
         return ops.flash_attention_varlen(q, k, v, cu, cu, causal=True, sinks=sinks if has_sinks else None,
                                           generation=generation, interpret=False, **options)
 
-    return fn, f"{blocks.block_q}x{blocks.block_k}"
+    lp = [name for name, on in (("fwd", blocks.lp_forward), ("bwd", blocks.lp_backward and pass_name != "fwd")) if on]
+    return fn, f"{blocks.block_q}x{blocks.block_k}" + (f" (LP scheduler: {', '.join(lp)})" if lp else "")
 
 
 # ---------------------------------------------------------------- anchors
@@ -266,7 +268,7 @@ def bench_one(shape: AttentionShape, tokens: int, pass_name: str, generation: st
         return row, costs
 
     if "ours" in impls:
-        fn, tiling = ours(shape, tokens, generation)
+        fn, tiling = ours(shape, tokens, generation, pass_name)
         flat = lambda q, k, v, sinks: fn(q[0], k[0], v[0], sinks)[None]
         row, costs = finish(dict(base, impl="ours", tiling=tiling,
                                  **measure(_program(flat, pass_name), shape, tokens, generation, KERNEL_NAME)))

@@ -278,20 +278,23 @@ def _compiler_params(lp_scheduler: bool, **extra):
 def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, slice_hi_max,  # scalar prefetch
                     q_ref, k_ref, v_ref, lo_ref, hi_ref, sink_ref,  # inputs
                     o_ref, lse_ref,  # outputs
-                    m_ref, l_ref, acc_ref, lo_cols, hi_cols, q_scaled,  # scratch
+                    m_ref, l_ref, acc_ref, lo_cols, hi_cols, q_rows_ref,  # scratch
                     *, opts: Options, block_k: int, parts: int, slices: int):
     i, j, kv_block, count = _position(step_block, step_first, kv_start, kv_count, parts)
+    rows_per_block, d = m_ref.shape[0], k_ref.shape[1]
+    in_lanes = q_ref.shape != (rows_per_block, d)  # heads side by side: [block_q, G * D]
 
     @pl.when(j == 0)
     def _init():
         lo_cols[...] = as_columns(lo_ref[...])
         hi_cols[...] = as_columns(hi_ref[...])
         start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
-        if not opts.softcap:
-            q_scaled[...] = scaled_query(q_ref[...], opts.scale)
+        if in_lanes or not opts.softcap:
+            q = q_ref[...].reshape(rows_per_block, d)
+            q_rows_ref[...] = q if opts.softcap else scaled_query(q, opts.scale)  # a cap needs the unscaled product
 
     first_key = kv_block * block_k
-    q_rows = q_ref if opts.softcap else q_scaled  # a cap needs the unscaled product
+    q_rows = q_rows_ref if in_lanes or not opts.softcap else q_ref
 
     def step(mask, part: Part):
         rows = part.row_at
@@ -309,7 +312,7 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
         acc_ref[rows, :] = lanes(alpha, acc_ref.shape[1]) * acc_ref[rows, :] + dot(p.astype(v.dtype), v, 1, 0)
         m_ref[rows, :] = m_new
 
-    _run_step(j, count, step, lo_max, hi_min, slice_hi_max, i, first_key, Part(0, q_ref.shape[0], 0, block_k), slices)
+    _run_step(j, count, step, lo_max, hi_min, slice_hi_max, i, first_key, Part(0, rows_per_block, 0, block_k), slices)
 
     @pl.when(j == jnp.maximum(count, 1) - 1)
     def _finish():
@@ -318,47 +321,54 @@ def _forward_kernel(step_block, step_first, kv_start, kv_count, lo_max, hi_min, 
         seen = (m != MASKED) | jnp.isnan(l)
         l = jnp.where(seen, l, 1.0)
         out = acc_ref[...] / lanes(l, acc_ref.shape[1])
-        o_ref[...] = jnp.where(lanes(seen, acc_ref.shape[1]), out, 0.0).astype(o_ref.dtype)
+        o_ref[...] = jnp.where(lanes(seen, acc_ref.shape[1]), out, 0.0).reshape(o_ref.shape).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) / LOG2E, EMPTY_LSE).T[:1]  # lane-dense [1, rows]
 
 
 def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, blocks: BlockSizes, parts: int,
             interpret):
-    """o [Hkv, T*G, Dv] in q's dtype and lse [Hkv, 1, T*G] f32.
+    """o in q's layout with Dv for D, in q's dtype, and lse [Hkv, 1, Tq*G] f32.
 
-    q [Hkv, Tq*G, D], k [Hkv, Tk, D], v [Hkv, Tk, Dv]; row_lo, row_hi
+    q [Hkv, Tq*G, D] (attention_math.heads_as_rows) or, D and Dv multiples of 128,
+    [Hkv, Tq, G*D] (heads_in_lanes); k [Hkv, Tk, D], v [Hkv, Tk, Dv]; row_lo, row_hi
     [1, Tq*G] int32; sink_rows [Hkv, block_q*G, 1] f32; schedule: the
     `ops.make_schedule` arrays. Per-row arrays are lane-dense [.., 1, rows]
     in HBM (a [rows, 1] array would pad each value to 128 lanes).
     """
-    hkv, rows, d = q.shape
-    dv = v.shape[2]
-    rows_per_block = blocks.block_q * opts.groups
+    hkv, d, dv, groups = k.shape[0], k.shape[2], v.shape[2], opts.groups
+    in_lanes = q.shape[2] != d
+    rows = q.shape[1] * (groups if in_lanes else 1)
+    rows_per_block = blocks.block_q * groups
+    # a block of q and of o: block_q tokens' G heads as rows, or side by side
+    q_block, o_block = ((blocks.block_q, groups * d), (blocks.block_q, groups * dv)) if in_lanes else (
+        (rows_per_block, d), (rows_per_block, dv))
     bk = blocks.block_k
     steps = schedule.q_steps
     maps = _Maps(parts_for(parts, rows // rows_per_block))
     return pl.pallas_call(
         functools.partial(_forward_kernel, opts=opts, block_k=bk, parts=maps.parts,
                           slices=_slices(schedule, rows, rows_per_block)),
-        out_shape=(jax.ShapeDtypeStruct((hkv, rows, dv), q.dtype), jax.ShapeDtypeStruct((hkv, 1, rows), jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct((hkv, q.shape[1], o_block[1]), q.dtype),
+                   jax.ShapeDtypeStruct((hkv, 1, rows), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(hkv * maps.parts, steps.count),
             in_specs=[
-                pl.BlockSpec((None, rows_per_block, d), maps.own),
+                pl.BlockSpec((None, *q_block), maps.own),
                 pl.BlockSpec((None, bk, d), maps.other),
                 pl.BlockSpec((None, bk, dv), maps.other),
                 pl.BlockSpec((1, rows_per_block), maps.own_row_lanes),
                 pl.BlockSpec((1, rows_per_block), maps.own_row_lanes),
                 pl.BlockSpec((None, rows_per_block, 1), maps.whole_head),
             ],
-            out_specs=[pl.BlockSpec((None, rows_per_block, dv), maps.own),
+            out_specs=[pl.BlockSpec((None, *o_block), maps.own),
                        pl.BlockSpec((None, 1, rows_per_block), maps.own_lanes)],
             scratch_shapes=[*_column_scratch(rows_per_block, jnp.float32, jnp.float32),  # m, l
                             pltpu.VMEM((rows_per_block, dv), jnp.float32),  # acc
                             *_column_scratch(rows_per_block, jnp.int32, jnp.int32),  # lo, hi
-                            # q times scale * log2(e), once per query block (unused under a cap)
-                            pltpu.VMEM((rows_per_block, d) if not opts.softcap else (16, LANES), q.dtype)],
+                            # q's block as rows, times scale * log2(e) without a cap; once per query block
+                            pltpu.VMEM((rows_per_block, d) if in_lanes or not opts.softcap else (16, LANES),
+                                       q.dtype)],
         ),
         compiler_params=_compiler_params(blocks.lp_forward),
         interpret=interpret,

@@ -29,6 +29,9 @@ CASES = [
     ("more_queries_than_keys", [60, 20], [20, 60], 2, 1, 96, 96, dict(causal=True, sinks=True)),
     ("decode", [1, 1, 1], [200, 3, 129], 8, 2, 128, 128, dict(causal=True, softmax_scale=0.3)),
     ("noncausal_deepseek_dims", [70], [150], 2, 2, 192, 128, dict()),
+    # head_dim 256 with G > 1: the forward takes a KV head's query heads side by side in the
+    # lanes (ops.IN_LANES_MIN_HEAD_DIM) and makes them rows in the kernel.
+    ("gqa_heads_in_lanes_softcap", [37, 100], [37, 230], 4, 2, 256, 256, dict(causal=True, softcap=30.0, sinks=True)),
 ]
 
 # fp32 inputs: every product and sum in f32 (HIGHEST), so only reassociation

@@ -15,7 +15,10 @@ from flash_attention._shared.generations import GENERATIONS
 # at a small MHA shape (one 512 x 512 block: seconds, where large blocks' unrolled code takes
 # libtpu minutes); `make check-compile` (CHECK_ALL_COMPILES=1) adds Llama-3-8B's attention on
 # every generation, each head dim, f32, every option once and long packed batches.
-SAMPLE = [(g, 512, 8, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS]
+SAMPLE = [(g, 512, 8, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
+    # head_dim 256, G = 2: the forward reshapes a block of heads side by side into rows (ops.IN_LANES_MIN_HEAD_DIM).
+    ("v5e", 1024, 8, 4, 256, 256, jnp.bfloat16, dict(causal=True, softcap=50.0, window_size=(255, 0))),
+]
 MORE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
     ("v5e", 1024, 8, 8, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     ("v5p", 1024, 8, 2, 80, 80, jnp.bfloat16, dict(causal=True)),
@@ -23,7 +26,6 @@ MORE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GEN
     ("v5p", 2048, 8, 1, 128, 128, jnp.bfloat16, dict(causal=True)),
     ("v6e", 1024, 8, 1, 96, 96, jnp.float32, dict(causal=False)),
     ("tpu7x", 1024, 8, 8, 192, 128, jnp.bfloat16, dict(causal=True)),
-    ("v5e", 1024, 8, 4, 256, 256, jnp.bfloat16, dict(causal=True, softcap=50.0, window_size=(255, 0))),
     # 8k on the smallest VMEM: the dkv kernel keeps a KV head's 8k x 4 rows of dq in VMEM.
     ("tpu7x", 8192, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)),
     # gpt-oss-20b's sliding layer at 8k: 8k x 8 rows of head_dim 64 (128 lanes in VMEM) do not fit.
