@@ -137,12 +137,12 @@ def make_schedule(lo, hi, block_q: int, block_k: int, num_k: int, parts: int = 1
                     _steps(q_count, max_steps, parts_for(parts, q_count.shape[0])))
 
 
-# From this head dim (and value head dim) up the forward takes a KV head's query heads side by
-# side in the lanes (attention_math.heads_in_lanes; the kernel makes them rows), below it as rows
-# (heads_as_rows): which of XLA's copies cost less. MODELED at 8k, forward, softcap 50, lanes
-# against rows: head_dim 256 with G = 2 (Gemma-2-9B) 1561 against 1659 us on v6e, 2925 against
-# 3036 on tpu7x; G = 4, 3239 against 3500 and 5685 against 5901; head_dim 128 with G = 2, 4
-# (Llama-3-8B), 8 (Qwen3-32B, no softcap): rows faster, by 2% to 10%.
+# From this head dim (and value head dim) up an inference forward (see _forward) takes a KV
+# head's query heads side by side in the lanes (attention_math.heads_in_lanes; the kernel makes
+# them rows), below it as rows (heads_as_rows): whichever of XLA's copies cost less. MODELED at
+# 8k, forward, softcap 50, lanes against rows: head_dim 256 with G = 2 (Gemma-2-9B) 1561 against
+# 1659 us on v6e, 2925 against 3036 on tpu7x; G = 4, 3239 against 3500 and 5685 against 5901;
+# head_dim 128 with G = 2, 4 (Llama-3-8B), 8 (Qwen3-32B, no softcap): rows faster by 2% to 10%.
 IN_LANES_MIN_HEAD_DIM = 256
 
 
@@ -174,14 +174,18 @@ def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
     return num_q, num_k, schedule, row_lo, row_hi
 
 
-def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    """(out [Tq, Hq, Dv], lse [Hkv, 1, Tq_padded * G] f32)."""
+def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static, backward_follows: bool):
+    """(out [Tq, Hq, Dv], lse [Hkv, 1, Tq_padded * G] f32). backward_follows: in the same XLA
+    program (jax's vjp); it reads q and the output as rows (heads_as_rows), and XLA shares those
+    copies with a forward that took them so (MODELED: Gemma-2-9B's training step at 8k on v6e,
+    4070 us with q as rows in the forward, 4420 with q in lanes)."""
     groups = st.opts.groups
     num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
     hkv = k.shape[1]
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hkv * groups,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, st.blocks.block_q, 1)).reshape(hkv, -1, 1)
-    in_lanes = groups > 1 and all(d % LANES == 0 and d >= IN_LANES_MIN_HEAD_DIM for d in (q.shape[2], v.shape[2]))
+    in_lanes = not backward_follows and groups > 1 and all(d % LANES == 0 and d >= IN_LANES_MIN_HEAD_DIM
+                                                   for d in (q.shape[2], v.shape[2]))
     to_kernel, from_kernel = (heads_in_lanes, lanes_as_heads) if in_lanes else (heads_as_rows, rows_as_heads)
     o, lse = forward(to_kernel(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), row_lo,
                      row_hi, sink_rows, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts,
@@ -213,11 +217,11 @@ def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)[0]
+    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st, backward_follows=False)[0]
 
 
 def _attention_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    out, lse = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st)
+    out, lse = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st, backward_follows=True)
     return out, (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse)
 
 
@@ -298,7 +302,7 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softm
     residuals themselves (the torch op)."""
     st = _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret)
     cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
-    out, lse = _forward(q, k, v, sinks, cu_q, cu_k, st)
+    out, lse = _forward(q, k, v, sinks, cu_q, cu_k, st, backward_follows=False)  # the torch op runs its backward apart
     return jnp.where(_offsets_valid(q, k, cu_q, cu_k), out, jnp.nan), lse
 
 
