@@ -85,7 +85,7 @@ def ours(shape: AttentionShape, tokens: int, generation: str, pass_name: str):
         return ops.flash_attention_varlen(q, k, v, cu, cu, causal=True, sinks=sinks if has_sinks else None,
                                           generation=generation, interpret=False, **options)
 
-    lp = [name for name, on in (("fwd", blocks.lp_forward), ("bwd", blocks.lp_backward and pass_name != "fwd")) if on]
+    lp = [name for name in blocks.lp_kernels if pass_name != "fwd" or name == "fwd"]
     return fn, f"{blocks.block_q}x{blocks.block_k}" + (f" (LP scheduler: {', '.join(lp)})" if lp else "")
 
 

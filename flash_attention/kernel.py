@@ -58,10 +58,9 @@ class BlockSizes:
     """How a call is tiled and compiled: the tuning table's choice (tuning.choose_blocks)."""
     block_q: int  # query tokens per block (its rows are block_q * G); a multiple of 16
     block_k: int  # key tokens per block; a multiple of 128
-    # libtpu's LP instruction scheduler for the forward kernel / the backward's kernels: it moves a
-    # kernel's schedule both ways (a few percent), so the table chooses it per entry.
-    lp_forward: bool = False
-    lp_backward: bool = False
+    # The kernels ("fwd", "dq", "dkv") compiled with libtpu's LP instruction scheduler: it moves a
+    # kernel's schedule both ways, by up to about 10%, so the table chooses (bench/flash_tune.py).
+    lp_kernels: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +369,7 @@ def forward(q, k, v, row_lo, row_hi, sink_rows, schedule, *, opts: Options, bloc
                             pltpu.VMEM((rows_per_block, d) if in_lanes or not opts.softcap else (16, LANES),
                                        q.dtype)],
         ),
-        compiler_params=_compiler_params(blocks.lp_forward),
+        compiler_params=_compiler_params("fwd" in blocks.lp_kernels),
         interpret=interpret,
         name="flash_attention_fwd",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, row_lo, row_hi, sink_rows)
@@ -524,7 +523,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
             scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32),
                             *_column_scratch(rows_per_block, jnp.float32, jnp.float32, jnp.int32, jnp.int32)],
         ),
-        compiler_params=_compiler_params(blocks.lp_backward),
+        compiler_params=_compiler_params("dq" in blocks.lp_kernels),
         interpret=interpret,
         name="flash_attention_dq",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse2, di, row_lo, row_hi)
@@ -550,11 +549,13 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
                 pl.BlockSpec((1, rows_per_block), maps.other_row_lanes),  # row_hi
             ],
             out_specs=[pl.BlockSpec((None, bk, d), maps.own), pl.BlockSpec((None, bk, dv_dim), maps.own),
-                       *([pl.BlockSpec((None, rows, d), maps.whole_head)] if fuse_dq else [])],
+                       # written once per head: one buffer (a second would only double its VMEM)
+                       *([pl.BlockSpec((None, rows, d), maps.whole_head, pipeline_mode=pl.Buffered(1))]
+                         if fuse_dq else [])],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32),
                             *([pltpu.VMEM((rows, d), jnp.float32)] if fuse_dq else [])],
         ),
-        compiler_params=_compiler_params(blocks.lp_backward, vmem_limit_bytes=fused_dq_vmem_limit),
+        compiler_params=_compiler_params("dkv" in blocks.lp_kernels, vmem_limit_bytes=fused_dq_vmem_limit),
         interpret=interpret,
         name="flash_attention_dkv",
     )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse2, di, row_lo, row_hi)

@@ -241,23 +241,29 @@ def test_schedule_in_two_parts_balances_the_steps():
     assert int(one.count) == 1 and int(one.first[0]) == 0
 
 
-@pytest.mark.parametrize("dq_kernel", ["fused", "separate", "megacore halves"])
+@pytest.mark.parametrize("dq_kernel", ["fused", "separate", "megacore halves", "forward, heads in lanes"])
 def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     """The TPU interpreter (race detection, two cores, uninitialised memory as
     NaN) over the forward and backward of a packed, windowed case: GQA with dq
     accumulated by the dkv kernel and by a kernel of its own, and MQA on v5p,
-    each KV head's steps in two halves, one per core."""
+    each KV head's steps in two halves, one per core; and an inference forward
+    at head_dim 256, its query heads in lanes."""
     if dq_kernel == "separate":
         monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
     # Halves: 4 query blocks and 2 key blocks, so every kernel's two parts have steps.
     hkv, lens_k, generation = (1, [20, 240], "v5p") if dq_kernel == "megacore halves" else (2, [20, 100], None)
-    case = ("tpu_interpreter", [20, 40], lens_k, 4, hkv, 64, 64, dict(causal=True, window_size=(50, 50), sinks=True))
+    head_dim = 256 if dq_kernel == "forward, heads in lanes" else 64
+    case = ("tpu_interpreter", [20, 40], lens_k, 4, hkv, head_dim, head_dim,
+            dict(causal=True, window_size=(50, 50), sinks=True))
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
     fn = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, interpret=params,
                                                     generation=generation, **options)
-    out, pullback = jax.vjp(fn, q, k, v)
-    grads = pullback(jnp.ones_like(out))
+    if head_dim >= ops.IN_LANES_MIN_HEAD_DIM:
+        out, grads = fn(q, k, v), ()
+    else:
+        out, pullback = jax.vjp(fn, q, k, v)
+        grads = pullback(jnp.ones_like(out))
     assert tpu_interpreter.races.races_found is False
     pltpu.reset_tpu_interpret_mode_state()
     expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)

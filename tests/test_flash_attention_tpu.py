@@ -57,17 +57,18 @@ def test_tuned_entry_is_chosen(generation, key, value):
     """A call at an entry's own head_dim, G and length gets the entry's blocks and scheduler."""
     d, groups, tokens = key
     blocks = tuning.choose_blocks(tokens, tokens, d, d, groups, 2, generation)
-    chosen = (blocks.block_q * groups, blocks.block_k, blocks.lp_forward, blocks.lp_backward)
-    assert chosen == (value + (False, False))[:4]
+    assert (blocks.block_q * groups, blocks.block_k, blocks.lp_kernels) == (value + ((),))[:3]
 
 
-@pytest.mark.parametrize("lp_forward,lp_backward", [(True, False), (False, True)])
-def test_lp_scheduler_reaches_its_kernels_only(lp_forward, lp_backward):
+@pytest.mark.parametrize("lp_kernels,fused_dq", [(("fwd",), True), (("dkv",), True), (("dq",), False)])
+def test_lp_scheduler_reaches_its_kernels_only(lp_kernels, fused_dq, monkeypatch):
     """BlockSizes' scheduler choice is in the compiler flags of the kernels it names, not the others."""
     import re
 
+    if not fused_dq:  # dq gets a kernel of its own
+        monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
     cu = jnp.asarray([0, 512], jnp.int32)
-    blocks = kernel.BlockSizes(256, 256, lp_forward=lp_forward, lp_backward=lp_backward)
+    blocks = kernel.BlockSizes(256, 256, lp_kernels=lp_kernels)
 
     def forward_backward(q, k, v):
         attend = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu, cu, causal=True, blocks=blocks,
@@ -81,7 +82,8 @@ def test_lp_scheduler_reaches_its_kernels_only(lp_forward, lp_backward):
         text = jax.jit(forward_backward).lower(spec, spec, spec).as_text()
     flagged = {re.search(r'kernel_name = "(\w+)"', line).group(1): "XLA_TPU_FORCE_LP_LLO_SCHEDULER" in line
                for line in text.splitlines() if "tpu_custom_call" in line}
-    assert flagged == {"flash_attention_fwd": lp_forward, "flash_attention_dkv": lp_backward}
+    names = ("fwd", "dkv") if fused_dq else ("fwd", "dq", "dkv")
+    assert flagged == {f"flash_attention_{name}": name in lp_kernels for name in names}
 
 
 @pytest.mark.parametrize("generation,key,value",

@@ -25,16 +25,16 @@ def test_table_key_buckets_a_call(call, key):
 
 
 def test_tuned_entry_serves_bf16_calls_of_its_bucket_only(monkeypatch):
-    monkeypatch.setattr(tuning, "TUNED", {"v6e": {(128, 4, 8192): (1024, 1024, True, False)}})
+    monkeypatch.setattr(tuning, "TUNED", {"v6e": {(128, 4, 8192): (1024, 1024, ("fwd",))}})
     tuned = tuning.choose_blocks(8000, 8000, 128, 128, 4, 2, "v6e")
-    assert (tuned.block_q * 4, tuned.block_k, tuned.lp_forward, tuned.lp_backward) == (1024, 1024, True, False)
+    assert (tuned.block_q * 4, tuned.block_k, tuned.lp_kernels) == (1024, 1024, ("fwd",))
     rule = tuning.GQA_BLOCK
     for call in [dict(itemsize=4), dict(generation="v5e"), dict(window=127), dict(num_q=2048)]:
         args = dict(num_q=8000, num_k=8000, head_dim=128, value_dim=128, groups=4, itemsize=2, generation="v6e")
         args.update(call)
         blocks = tuning.choose_blocks(**args)
         assert (blocks.block_q * 4, blocks.block_k) != (1024, 1024), call
-        assert not blocks.lp_forward, call  # the scheduler choice comes with the entry only
+        assert blocks.lp_kernels == (), call  # the scheduler choice comes with the entry only
         if "window" not in call:
             assert (blocks.block_q * 4, blocks.block_k) == rule
 
@@ -80,13 +80,15 @@ def test_other_head_dims_rate_the_reference_entrys_best_candidates():
     assert flash_tune.followed(dict(candidates=[dict(blocks=[512, 512], error="vmem")]), groups=4) is None
 
 
-def test_fused_dq_counts_head_dims_padded_to_lanes():
+def test_fused_dq_counts_head_dims_padded_to_lanes_and_one_output_buffer():
     """gpt-oss-20b's 8k training step on tpu7x (head_dim 64, G = 8, the window's 128 x 128 blocks):
-    its dq held in VMEM takes 8k x 8 rows x 128 lanes x (f32 + 2 bf16) = 64 MiB, over a 64 MiB
-    core's budget (unpadded it looked like half that, and libtpu ran out of VMEM). Llama-3-8B's
-    (head_dim 128, its tuned 512 x 512 blocks) still fits."""
+    its dq held in VMEM takes 8k x 8 rows x 128 lanes x (f32 + bf16) = 48 MiB, the whole budget of
+    a 64 MiB core (unpadded it looked like half that, and libtpu ran out of VMEM). Llama-3-8B's
+    (head_dim 128, its tuned 512 x 512 blocks) fits, and Gemma-2-9B's (head_dim 256, G = 2, 1024 x
+    512 blocks: 24 MiB and dkv's own 18) fits with dq's output block in one buffer, not in two."""
     assert tuning.fused_dq_vmem_limit(8192 * 8, 64, 64, 2, BlockSizes(128, 128), 8, "tpu7x") is None
     assert tuning.fused_dq_vmem_limit(8192 * 4, 128, 128, 2, BlockSizes(512, 512), 4, "tpu7x") is not None
+    assert tuning.fused_dq_vmem_limit(8192 * 2, 256, 256, 2, BlockSizes(1024, 512), 2, "tpu7x") is not None
 
 
 def test_tuned_table_is_what_the_evidence_chooses():
@@ -106,18 +108,20 @@ def test_tuned_table_is_what_the_evidence_chooses():
 
 def test_lp_scheduler_is_chosen_where_modeled_faster_by_the_margin():
     """The LP scheduler is taken per kernel only where it is modeled at least LP_MARGIN faster; a
-    variant that did not compile (an error string) is never taken."""
+    kernel whose LP variant did not compile (an error string) keeps the default."""
     import flash_tune
 
-    def rated(fwd_lp, bwd_lp):
-        return {"fwd": {"default": 1000.0, "lp_forward": fwd_lp}, "fwd+bwd": {"default": 3000.0, "lp_backward": bwd_lp}}
+    def rated(fwd):
+        return {"fwd": {"default": 1000.0, "fwd": fwd}}
 
-    assert flash_tune.lp_choice(rated(980.0, 3000.0)) == (True, False)
-    assert flash_tune.lp_choice(rated(995.0, 2900.0)) == (False, True)  # 0.5% is within the margin
-    assert flash_tune.lp_choice(rated("RESOURCE_EXHAUSTED", 2000.0)) == (False, True)
-    record = dict(key=[128, 4, 8192], best=[2048, 512], scheduler=rated(900.0, 3100.0))
-    assert flash_tune.table_value(record) == (2048, 512, True, False)
-    del record["scheduler"]
+    assert flash_tune.LP_RATINGS == (("fwd", "fwd"),)
+    assert flash_tune.lp_choice(rated(980.0)) == ("fwd",)
+    assert flash_tune.lp_choice(rated(995.0)) == ()  # 0.5%: within the margin
+    assert flash_tune.lp_choice(rated("RESOURCE_EXHAUSTED")) == ()
+    record = dict(key=[128, 4, 8192], best=[2048, 512], scheduler=rated(900.0))
+    assert flash_tune.table_value(record) == (2048, 512, ("fwd",))
+    assert flash_tune.table_value(dict(record, scheduler=rated(1000.0))) == (2048, 512, ())
+    del record["scheduler"]["fwd"]["fwd"]
     assert flash_tune.table_value(record) == (2048, 512)  # not rated: the default scheduler
 
 
