@@ -86,8 +86,8 @@ def heads_in_lanes(x, groups: int, num: int):
     """[T, Hq, D] -> [Hkv, num, G * D]: a KV head's G query heads side by side in each token's
     lanes, padded to num tokens: heads_as_rows' order once a kernel reshapes a block to
     [tokens * G, D] (Mosaic does that on chip where D is a multiple of 128). XLA makes this
-    layout in one transpose; heads_as_rows' [Hkv, num * G, D] takes it more copies where G
-    is under a sublane tile (MODELED: Gemma-2-9B's forward on v6e, 426 us of XLA copies)."""
+    layout in one transpose, cheaper than heads_as_rows' copies at head_dim 256 and dearer at
+    128 (MODELED; flash_attention/ops.py: IN_LANES_MIN_HEAD_DIM)."""
     t, hq, d = x.shape
     x = jnp.pad(x, ((0, num - t), (0, 0), (0, 0))) if num != t else x
     return x.reshape(num, hq // groups, groups * d).transpose(1, 0, 2)
