@@ -158,3 +158,24 @@ def test_every_anchor_loads_and_traces(impl, monkeypatch):
         (1, tokens, shape.kv_heads, shape.head_dim), (shape.q_heads,))]
     out = jax.eval_shape(flash_bench._program(fn, "fwd+bwd" if has_backward else "fwd"), *specs)
     assert [o.shape for o in jax.tree.leaves(out)] == ([s.shape for s in specs] if has_backward else [specs[0].shape])
+
+
+@pytest.mark.parametrize("experimental_scheduler", [True, False])
+def test_tokamax_scheduler_choice_reaches_its_kernel(experimental_scheduler, monkeypatch):
+    """The bench rates tokamax with and without libtpu's LP scheduler (its autotuner tries both):
+    the choice must be in its forward kernel's compiler flags, or both rows would be one."""
+    import re
+
+    import tpu_compile
+
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])  # tokamax parses absl flags from sys.argv
+    shape, tokens = flash_bench.SHAPES[0], 1024
+    fn = flash_bench.tokamax_attention(shape, 512, 512, experimental_scheduler=experimental_scheduler)
+    device = tpu_compile.device_for("v6e")
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device)) for s in (
+        (1, tokens, shape.q_heads, shape.head_dim), (1, tokens, shape.kv_heads, shape.head_dim),
+        (1, tokens, shape.kv_heads, shape.head_dim), (shape.q_heads,))]
+    with jax.default_device(device):
+        text = jax.jit(fn).lower(*specs).as_text()
+    flags = re.findall(r"XLA_TPU_FORCE_LP_LLO_SCHEDULER\\22, \\22value\\22: \{\\22boolean_value\\22: (\w+)", text)
+    assert flags == [str(experimental_scheduler).lower()]
