@@ -273,6 +273,17 @@ def _compiler_params(lp_scheduler: bool, **extra):
     return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), flags=flags, **extra)
 
 
+def _shared_head(index_map, share: int):
+    """index_map for an operand whose head is shared by `share` consecutive heads of the grid."""
+    if share == 1:
+        return index_map
+
+    def shared(*grid_and_prefetched):
+        head, *rest = index_map(*grid_and_prefetched)
+        return head // share, *rest
+    return shared
+
+
 # ---------------------------------------------------------------- forward
 
 
@@ -491,11 +502,16 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
     fused_dq_vmem_limit: where a KV head's whole dq fits in VMEM, the dkv kernel accumulates
     it there too (dS^T's transpose times K: one matmul per step, where a separate dq kernel
     recomputes S and dP, three), under this VMEM limit; None runs the separate dq kernel. With
-    parts = 2 dq is never fused: each part would hold a partial dq of the whole head."""
+    parts = 2 dq is never fused: each part would hold a partial dq of the whole head.
+
+    q may hold more heads than k and v (ops' dq split): consecutive heads of q then share a KV
+    head, and dk and dv come per head of q, in f32 (partial sums, for ops to add up)."""
     if parts > 1 and fused_dq_vmem_limit is not None:
         raise ValueError("a KV head split in parts cannot accumulate its dq in one VMEM buffer")
     hkv, rows, d = q.shape
     dv_dim = v.shape[2]
+    share = hkv // k.shape[0]
+    grad_dtype = (k.dtype, v.dtype) if share == 1 else (jnp.float32, jnp.float32)
     lse2 = lse * LOG2E  # the kernels' softmax is in base 2
     rows_per_block = blocks.block_q * opts.groups
     bk = blocks.block_k
@@ -513,8 +529,8 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
             grid=(hkv * maps.parts, steps.count),
             in_specs=[
                 pl.BlockSpec((None, rows_per_block, d), maps.own),
-                pl.BlockSpec((None, bk, d), maps.other),
-                pl.BlockSpec((None, bk, dv_dim), maps.other),
+                pl.BlockSpec((None, bk, d), _shared_head(maps.other, share)),
+                pl.BlockSpec((None, bk, dv_dim), _shared_head(maps.other, share)),
                 pl.BlockSpec((None, rows_per_block, dv_dim), maps.own),  # dO
                 pl.BlockSpec((None, 1, rows_per_block), maps.own_lanes),  # lse
                 pl.BlockSpec((None, 1, rows_per_block), maps.own_lanes),  # D
@@ -535,14 +551,15 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
     maps = _Maps(parts_for(parts, k.shape[1] // bk))
     dk, dv, *fused_dq = pl.pallas_call(
         functools.partial(_dkv_kernel, opts=opts, block_k=bk, parts=maps.parts, slices=slices, fuse_dq=fuse_dq),
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+        out_shape=(jax.ShapeDtypeStruct((hkv, *k.shape[1:]), grad_dtype[0]),
+                   jax.ShapeDtypeStruct((hkv, *v.shape[1:]), grad_dtype[1]),
                    *([jax.ShapeDtypeStruct(q.shape, q.dtype)] if fuse_dq else [])),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(hkv * maps.parts, steps.count),
             in_specs=[
-                pl.BlockSpec((None, bk, d), maps.own),
-                pl.BlockSpec((None, bk, dv_dim), maps.own),
+                pl.BlockSpec((None, bk, d), _shared_head(maps.own, share)),
+                pl.BlockSpec((None, bk, dv_dim), _shared_head(maps.own, share)),
                 pl.BlockSpec((None, rows_per_block, d), maps.other),
                 pl.BlockSpec((None, rows_per_block, dv_dim), maps.other),  # dO
                 pl.BlockSpec((None, 1, rows_per_block), maps.other_lanes),  # lse

@@ -30,7 +30,7 @@ from ._shared.attention_math import LANES, heads_as_rows, heads_in_lanes, lanes_
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import BlockSizes, Options, backward, diagonal_slices, forward, parts_for
-from .tuning import check_blocks, choose_blocks, fused_dq_vmem_limit, window_span
+from .tuning import check_blocks, choose_blocks, fused_dq_split, window_span
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
 
@@ -155,6 +155,7 @@ class _Static:
     right: int
     parts: int  # each KV head's grid steps split over a megacore's two cores (2) or not (1); see kernel.py
     fused_dq_vmem_limit: int | None  # see kernel.backward
+    dq_split: int  # the backward runs each KV head's query heads in this many groups (tuning.fused_dq_split)
     interpret: object
 
 
@@ -164,8 +165,8 @@ def _heads_major(x, num: int):
     return x.transpose(1, 0, 2)
 
 
-def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    groups, bq, bk = st.opts.groups, st.blocks.block_q, st.blocks.block_k
+def _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st: _Static, groups: int):
+    bq, bk = st.blocks.block_q, st.blocks.block_k
     num_q, num_k = round_up(q.shape[0], bq), round_up(k.shape[0], bk)
     lo, hi = token_ranges(cu_seqlens_q, cu_seqlens_k, num_q, k.shape[0], st.causal, st.left, st.right)
     schedule = make_schedule(lo, hi, bq, bk, num_k, st.parts, slices=diagonal_slices(bq * groups, bq, bk))
@@ -180,7 +181,7 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static, backward_f
     copies with a forward that took them so (MODELED: Gemma-2-9B's training step at 8k on v6e,
     4070 us with q as rows in the forward, 4420 with q in lanes)."""
     groups = st.opts.groups
-    num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
+    num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st, groups)
     hkv = k.shape[1]
     sink = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hkv * groups,), jnp.float32)
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, st.blocks.block_q, 1)).reshape(hkv, -1, 1)
@@ -194,22 +195,28 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static, backward_f
 
 
 def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st: _Static):
-    """(dq, dk, dv, dsinks or None) from the forward's output and log-sum-exp."""
-    groups = st.opts.groups
-    num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st)
+    """(dq, dk, dv, dsinks or None) from the forward's output and log-sum-exp. Each KV head's
+    query heads run as st.dq_split groups: to the kernels, Hkv * split KV heads of G / split."""
+    split = st.dq_split
+    groups, hkv = st.opts.groups // split, k.shape[1] * split
+    num_q, num_k, schedule, row_lo, row_hi = _prepare(q, k, cu_seqlens_q, cu_seqlens_k, st, groups)
+    if split > 1:  # rows t * G + g of a KV head -> rows t * G / split + g' of its groups
+        lse = lse.reshape(k.shape[1], num_q, split, groups).transpose(0, 2, 1, 3).reshape(hkv, 1, -1)
     do_rows = heads_as_rows(grad_out.astype(q.dtype), groups, num_q)
     # D = rowsum(dO * O): the softmax backward's correction, in f32.
     out_rows = heads_as_rows(out, groups, num_q)
     di = jnp.sum(do_rows.astype(jnp.float32) * out_rows.astype(jnp.float32), axis=2)[:, None, :]
     dq, dk, dv = backward(heads_as_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows,
-                          lse, di, row_lo, row_hi, schedule, opts=st.opts, blocks=st.blocks, parts=st.parts,
-                          fused_dq_vmem_limit=st.fused_dq_vmem_limit, interpret=st.interpret)
+                          lse, di, row_lo, row_hi, schedule, opts=dataclasses.replace(st.opts, groups=groups),
+                          blocks=st.blocks, parts=st.parts, fused_dq_vmem_limit=st.fused_dq_vmem_limit,
+                          interpret=st.interpret)
+    if split > 1:  # each group's partial (f32), summed
+        dk, dv = (g.reshape(k.shape[1], split, num_k, -1).sum(1).astype(x.dtype) for g, x in ((dk, k), (dv, v)))
     dk = dk.transpose(1, 0, 2)[: k.shape[0]]
     dv = dv.transpose(1, 0, 2)[: v.shape[0]]
     dsinks = None
     if sinks is not None:
         # d sink_h = -sum over the head's rows of exp(sink_h - lse) * D (rows seeing nothing have p = 0).
-        hkv = k.shape[1]
         p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(hkv, 1, groups) - lse.reshape(hkv, -1, groups))
         dsinks = -jnp.sum(p_sink * di.reshape(hkv, -1, groups), axis=1).reshape(-1).astype(sinks.dtype)
     return rows_as_heads(dq, groups, q.shape[0]), dk, dv, dsinks
@@ -249,10 +256,10 @@ def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks,
         check_blocks(blocks, groups)
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
     rows = round_up(tq, blocks.block_q) * groups
-    fused = None if parts > 1 else fused_dq_vmem_limit(rows, d, v.shape[2], jnp.dtype(q.dtype).itemsize, blocks,
-                                                        groups, generation)
+    split, fused = (1, None) if parts > 1 else fused_dq_split(rows, d, v.shape[2], jnp.dtype(q.dtype).itemsize,
+                                                              blocks, groups, generation)
     return _Static(Options(scale=scale, softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
-                   blocks, bool(causal), int(left), int(right), parts, fused, interpret)
+                   blocks, bool(causal), int(left), int(right), parts, fused, split, interpret)
 
 
 def _offsets_valid(q, k, cu_seqlens_q, cu_seqlens_k):

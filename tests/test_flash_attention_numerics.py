@@ -71,6 +71,29 @@ def test_gradients_with_the_separate_dq_kernel(case, monkeypatch):
     _check_fp32(case)
 
 
+def _refuse_whole_groups(monkeypatch, largest_group: int):
+    """Makes the backward's dq fit VMEM only for groups of at most largest_group query heads (the
+    tests' small blocks split)."""
+    fits = tuning.fused_dq_vmem_limit
+    monkeypatch.setattr(tuning, "MIN_SPLIT_ROWS", 0)
+    monkeypatch.setattr(tuning, "fused_dq_vmem_limit",
+                        lambda *args: None if args[5] > largest_group else fits(*args))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4]], ids=lambda c: c[0])
+def test_gradients_with_the_query_heads_split_in_groups(case, monkeypatch):
+    """Where a KV head's dq does not fit VMEM but half of its query heads' does, the backward runs
+    them as two groups, each a KV head of its own (tuning.fused_dq_split); dk and dv sum the
+    groups' parts, the sinks' gradient comes from the regrouped log-sum-exp."""
+    _refuse_whole_groups(monkeypatch, case[3] // case[4] // 2)
+    blocks = BlockSizes(block_q=128, block_k=128)  # whole lanes of rows for half the heads
+    q, k, v, *_, options = _inputs(case, jnp.float32)
+    st = ops._static(q, k, v, None, options.get("causal", False), options.get("window_size", (-1, -1)), 0.0, None,
+                     blocks, None, True)
+    assert (st.dq_split, st.fused_dq_vmem_limit is not None) == (2, True)
+    _check_fp32(case, blocks=blocks)
+
+
 @pytest.mark.parametrize("case", [CASES[1], ("causal_three_kv_heads", [37, 100], [37, 130], 6, 3, 64, 64,
                                               dict(causal=True))], ids=lambda c: c[0])
 def test_megacore_halves_match_the_reference(case):
@@ -241,15 +264,21 @@ def test_schedule_in_two_parts_balances_the_steps():
     assert int(one.count) == 1 and int(one.first[0]) == 0
 
 
-@pytest.mark.parametrize("dq_kernel", ["fused", "separate", "megacore halves", "forward, heads in lanes"])
+@pytest.mark.parametrize("dq_kernel", ["fused", "fused, heads in two groups", "separate", "megacore halves",
+                                       "forward, heads in lanes"])
 def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     """The TPU interpreter (race detection, two cores, uninitialised memory as
     NaN) over the forward and backward of a packed, windowed case: GQA with dq
     accumulated by the dkv kernel and by a kernel of its own, and MQA on v5p,
-    each KV head's steps in two halves, one per core; and an inference forward
-    at head_dim 256, its query heads in lanes."""
+    each KV head's steps in two halves, one per core; GQA whose backward runs each
+    KV head's query heads in two groups; and an inference forward at head_dim 256,
+    its query heads in lanes."""
+    blocks = SMALL
     if dq_kernel == "separate":
         monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
+    if dq_kernel == "fused, heads in two groups":
+        _refuse_whole_groups(monkeypatch, 1)
+        blocks = BlockSizes(block_q=128, block_k=128)  # whole lanes of rows for one head
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
     # Halves: 4 query blocks and 2 key blocks, so every kernel's two parts have steps.
     hkv, lens_k, generation = (1, [20, 240], "v5p") if dq_kernel == "megacore halves" else (2, [20, 100], None)
@@ -257,7 +286,9 @@ def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     case = ("tpu_interpreter", [20, 40], lens_k, 4, hkv, head_dim, head_dim,
             dict(causal=True, window_size=(50, 50), sinks=True))
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
-    fn = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL, interpret=params,
+    split = ops._static(q, k, v, None, True, (50, 50), 0.0, None, blocks, generation, params).dq_split
+    assert split == (2 if dq_kernel == "fused, heads in two groups" else 1)
+    fn = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=blocks, interpret=params,
                                                     generation=generation, **options)
     if head_dim >= ops.IN_LANES_MIN_HEAD_DIM:
         out, grads = fn(q, k, v), ()

@@ -28,6 +28,8 @@ MORE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GEN
     ("tpu7x", 1024, 8, 8, 192, 128, jnp.bfloat16, dict(causal=True)),
     # 8k on the smallest VMEM: the dkv kernel keeps a KV head's 8k x 4 rows of dq in VMEM.
     ("tpu7x", 8192, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)),
+    # Qwen3-32B's at 8k: 8k x 8 rows of dq do not fit, the backward runs the heads in two groups of 4.
+    ("tpu7x", 8192, 16, 2, 128, 128, jnp.bfloat16, dict(causal=True)),
     # gpt-oss-20b's sliding layer at 8k: 8k x 8 rows of head_dim 64 (128 lanes in VMEM) do not fit.
     ("tpu7x", 8192, 16, 2, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     # 128k tokens: the rule grows the blocks until the step list fits SMEM; dq gets its own kernel.
@@ -46,6 +48,15 @@ def test_forward_and_backward_compile(case):
     halves = GENERATIONS[generation].cores_per_device > 1 and hkv % 2 == 1
     too_big = tokens == 131072 or (tokens == 8192 and case[4] == 64)
     assert ("_dq" in names) == (too_big or halves), names
+
+
+def test_backward_in_head_groups_compiles(monkeypatch):
+    """A KV head's query heads in two groups (tuning.fused_dq_split; made to split at a small
+    shape): K and V shared by two heads of the grid, dk and dv per group in f32."""
+    fits = tuning.fused_dq_vmem_limit
+    monkeypatch.setattr(tuning, "fused_dq_vmem_limit", lambda *args: None if args[5] > 2 else fits(*args))
+    report = compile_forward_backward("tpu7x", 1024, 8, 2, 128, 128, jnp.bfloat16, dict(causal=True))
+    assert not any("_dq" in name for name in report.kernels), list(report.kernels)
 
 
 def tuned_entries():

@@ -91,6 +91,20 @@ def test_fused_dq_counts_head_dims_padded_to_lanes_and_one_output_buffer():
     assert tuning.fused_dq_vmem_limit(8192 * 2, 256, 256, 2, BlockSizes(1024, 512), 2, "tpu7x") is not None
 
 
+def test_dq_split_takes_the_fewest_groups_whose_dq_fits():
+    """Qwen3-32B's 8k training step on tpu7x (G = 8, 512 x 512 blocks): a KV head's dq (48 MiB)
+    does not fit, half of its heads' does. Llama-3-8B's fits whole. Groups whose rows would not
+    fill whole lanes at these blocks (16 query tokens), or would be small blocks (gpt-oss-20b's
+    window: 128 tokens, 512 rows in half its heads), are not taken."""
+    qwen = (8192 * 8, 128, 128, 2, BlockSizes(512, 512), 8, "tpu7x")
+    assert tuning.fused_dq_vmem_limit(*qwen) is None
+    assert tuning.fused_dq_split(*qwen) == (2, tuning.fused_dq_vmem_limit(8192 * 4, 128, 128, 2, BlockSizes(512, 512),
+                                                                          4, "tpu7x"))
+    assert tuning.fused_dq_split(8192 * 4, 128, 128, 2, BlockSizes(512, 512), 4, "tpu7x")[0] == 1
+    assert tuning.fused_dq_split(8192 * 8, 128, 128, 2, BlockSizes(16, 512), 8, "tpu7x") == (1, None)
+    assert tuning.fused_dq_split(8192 * 8, 64, 64, 2, BlockSizes(128, 128), 8, "tpu7x") == (1, None)
+
+
 def test_tuned_table_is_what_the_evidence_chooses():
     """Every record's best is its fastest candidate, and tuned_blocks.py holds exactly those."""
     import json
