@@ -372,6 +372,8 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "|---|---|---|---|---|---|---|---|",
         *goals,
         "",
+        "Where a goal is NOT met, flash_attention/CARD.md (Status) says why.",
+        "",
         "## Every row",
         "",
         "| model | tokens | pass | gen | impl | blocks | VMEM MiB | grid steps | executed / causal | K/V reads "

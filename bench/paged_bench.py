@@ -522,6 +522,8 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "",
         *goal_lines(rows),
         "",
+        "Where a goal is NOT met, paged_attention/CARD.md (Not yet) says why.",
+        "",
         "| model | batch | gen | impl | cache | blocks | VMEM MiB | grid steps | HBM / held | compute us | DMA us "
         "| around us | modeled us | floor us |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
