@@ -39,6 +39,7 @@ MORE = [
     ("v5e", 64, 8, 64, 16, jnp.bfloat16, dict(cache_layout="head_major", prefill_only=True, sliding_window=128,
                                               sinks=True)),
     ("tpu7x", 16, 8, 256, 32, jnp.bfloat16, dict(cache_layout="head_major", prefill_only=True)),
+    ("v5p", 32, 8, 128, 16, jnp.bfloat16, dict(cache_layout="head_major")),
 ]
 CASES = SAMPLE + (MORE if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 
