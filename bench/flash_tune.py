@@ -17,11 +17,14 @@ tpu7x it moved the forward by -10% to +11% (MODELED), so each entry
 chooses. `--scheduler` rates it alone on the entries the results already
 hold.
 
-head_dim 128 is rated over every candidate; head_dim 64 and 256 over the
+head_dim 128 is rated over every candidate at 2k and 32k; head_dim 64 and 256 over the
 `FOLLOW` best of head_dim 128's ranking at the same G and length (all of them
 if none of those compiles): on v6e, where every head_dim was rated in full at
 2k and 8k, head_dim 128's best was the best at 64 and 256 in all 12 pairs. It
-saves about half of a generation's compiles.
+saves about half of a generation's compiles. Likewise head_dim 128 at 8k rates
+the FOLLOW best of its 2k entry (`reference_key`): in all 13 entries rated in
+full at 8k (v5e, v6e, tpu7x) the best was among them; not so from 8k to 32k
+(tpu7x: 2 of 3 were not), so 32k rates every candidate.
 
 Evidence goes to bench/results/flash_tuning_<generation>.json, the table to
 flash_attention/tuned_blocks.py (generated from those files; do not edit it).
@@ -47,6 +50,7 @@ KV_HEADS = 8
 CANDIDATES = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024), (4096, 512))  # (rows, keys)
 REFERENCE_HEAD_DIM = 128  # rated over every candidate, first
 FOLLOW = 2  # the other head_dims rate this many of its best
+FOLLOWED_TOKENS = {8192: 2048}  # head_dim 128 at 8k rates the FOLLOW best of its 2k entry
 LP_MARGIN = 0.01  # see lp_choice
 # (the pass a kernel's LP scheduler is rated on, the kernel): the forward, on a forward alone. The
 # backward's kernels are left at the default: on tpu7x's 8k entries LP moved them by -3% to +9%,
@@ -75,9 +79,16 @@ def followed(reference: dict | None, groups: int) -> list[tuple[int, int]] | Non
     return [(c["blocks"][0] * groups, c["blocks"][1]) for c in ranked[:FOLLOW]] or None
 
 
+def reference_key(head_dim: int, groups: int, tokens: int) -> tuple[int, int, int] | None:
+    """The entry whose FOLLOW best candidates this one rates (see above), or None: all of them."""
+    if head_dim != REFERENCE_HEAD_DIM:
+        return REFERENCE_HEAD_DIM, groups, tokens
+    return (head_dim, groups, FOLLOWED_TOKENS[tokens]) if tokens in FOLLOWED_TOKENS else None
+
+
 def tune_entry(head_dim: int, groups: int, tokens: int, generation: str, reference: dict | None = None) -> dict:
-    """reference: head_dim 128's record at the same G and length, whose best candidates this
-    entry rates first (`followed`)."""
+    """reference: the record at `reference_key`, whose best candidates this entry rates first
+    (`followed`)."""
     shape = rating_shape(head_dim, groups)
     rated = {}
 
@@ -100,7 +111,7 @@ def tune_entry(head_dim: int, groups: int, tokens: int, generation: str, referen
         raise RuntimeError(f"no candidate compiles for d={head_dim} G={groups} {tokens} tokens on {generation}")
     best = min(ok, key=lambda b: ok[b]["modeled_us"])
     record = dict(key=[head_dim, groups, tokens], generation=generation, best=[best[0] * groups, best[1]],
-                  **({"rated": f"the {len(first)} best of head_dim {REFERENCE_HEAD_DIM}"} if first else {}),
+                  **({"rated": f"the {len(first)} best of {tuple(reference['key'])}"} if first else {}),
                   vmem_used=ok[best]["vmem_used"],
                   candidates=[dict(blocks=list(b), **{k: v for k, v in r.items() if k in (
                       "modeled_us", "compute_us", "dma_us", "around_us", "vmem_used", "error")})
@@ -228,7 +239,7 @@ def main(argv=None) -> int:
                         record["scheduler"] = rate_scheduler(record)
                     else:
                         print(f"{generation} d={d} G={g} {t} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
-                        reference = None if d == REFERENCE_HEAD_DIM else records.get((REFERENCE_HEAD_DIM, g, t))
+                        reference = records.get(reference_key(d, g, t))
                         records[(d, g, t)] = tune_entry(d, g, t, generation, reference)
                     path.write_text(json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
     write_table()

@@ -158,6 +158,29 @@ def test_v6e_head_dims_share_the_reference_entrys_best():
     assert pairs >= 12
 
 
+def test_8k_entries_share_their_2k_entrys_best():
+    """What FOLLOWED_TOKENS rests on: every entry rated in full at 8k (any head_dim, every
+    generation) has its best among the FOLLOW best of its 2k entry, and reference_key sends
+    head_dim 128 at 8k there (the others to head_dim 128 at their length; 32k rates in full)."""
+    import json
+
+    import flash_tune
+
+    pairs = 0
+    for generation in tuning.TUNED:
+        records = {tuple(r["key"]): r for r in json.loads(flash_tune.results_file(generation).read_text())}
+        for (d, g, t), record in records.items():
+            shorter = records.get((d, g, flash_tune.FOLLOWED_TOKENS.get(t)))
+            if "rated" in record or shorter is None or "rated" in shorter:
+                continue
+            assert tuple(record["best"]) in flash_tune.followed(shorter, g), (generation, d, g, t)
+            pairs += 1
+    assert pairs >= 13
+    assert flash_tune.reference_key(128, 4, 8192) == (128, 4, 2048)
+    assert flash_tune.reference_key(64, 4, 8192) == (128, 4, 8192)
+    assert flash_tune.reference_key(128, 4, 32768) is None and flash_tune.reference_key(128, 4, 2048) is None
+
+
 @pytest.mark.parametrize("impl", list(flash_bench.ANCHORS))
 def test_every_anchor_loads_and_traces(impl, monkeypatch):
     """An anchor that no longer loads (a stub of tpu-inference's package missing a name) would
