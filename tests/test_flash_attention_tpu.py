@@ -52,7 +52,7 @@ def test_forward_and_backward_compile(case):
 
 def test_backward_in_head_groups_compiles(monkeypatch):
     """A KV head's query heads in two groups (tuning.fused_dq_split; made to split at a small
-    shape): K and V shared by two heads of the grid, dk and dv per group in f32."""
+    shape) compile for tpu7x with dq fused in the dkv kernel (no dq kernel of its own)."""
     fits = tuning.fused_dq_vmem_limit
     monkeypatch.setattr(tuning, "fused_dq_vmem_limit", lambda *args: None if args[5] > 2 else fits(*args))
     report = compile_forward_backward("tpu7x", 1024, 8, 2, 128, 128, jnp.bfloat16, dict(causal=True))
