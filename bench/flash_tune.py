@@ -27,7 +27,10 @@ full at 8k (v5e, v6e, tpu7x) the best was among them; not so from 8k to 32k
 (tpu7x: 2 of 3 were not), so 32k rates every candidate.
 
 Evidence goes to bench/results/flash_tuning_<generation>.json, the table to
-flash_attention/tuned_blocks.py (generated from those files; do not edit it).
+flash_attention/tuned_blocks.py (generated from those files; do not edit it). The
+records that FOLLOW and FOLLOWED_TOKENS rest on (rated over every candidate, before
+`--redo` rated the 2k and 8k entries of v6e and tpu7x again over fewer) are kept in
+FOLLOW_EVIDENCE.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ LP_MARGIN = 0.01  # see lp_choice
 LP_RATINGS = (("fwd", "fwd"),)
 RESULTS = flash_bench.BENCH / "results"
 TABLE = flash_bench.REPO / "flash_attention" / "tuned_blocks.py"
+FOLLOW_EVIDENCE = RESULTS / "flash_tuning_evidence.json"  # see above; tests/test_flash_tuning.py reads it
 
 
 def candidate_blocks(rows: int, keys: int, groups: int, tokens: int) -> kernel.BlockSizes | None:

@@ -146,8 +146,8 @@ def test_v6e_head_dims_share_the_reference_entrys_best():
 
     import flash_tune
 
-    records = {tuple(r["key"]): r for r in json.loads(flash_tune.results_file("v6e").read_text())
-               if "rated" not in r}
+    records = {tuple(r["key"]): r for r in json.loads(flash_tune.FOLLOW_EVIDENCE.read_text())
+               if r["generation"] == "v6e"}
     pairs = 0
     for (d, g, t), record in records.items():
         reference = records.get((flash_tune.REFERENCE_HEAD_DIM, g, t))
@@ -167,11 +167,12 @@ def test_8k_entries_share_their_2k_entrys_best():
     import flash_tune
 
     pairs = 0
+    evidence = json.loads(flash_tune.FOLLOW_EVIDENCE.read_text())
     for generation in tuning.TUNED:
-        records = {tuple(r["key"]): r for r in json.loads(flash_tune.results_file(generation).read_text())}
+        records = {tuple(r["key"]): r for r in evidence if r["generation"] == generation}
         for (d, g, t), record in records.items():
             shorter = records.get((d, g, flash_tune.FOLLOWED_TOKENS.get(t)))
-            if "rated" in record or shorter is None or "rated" in shorter:
+            if shorter is None:
                 continue
             assert tuple(record["best"]) in flash_tune.followed(shorter, g), (generation, d, g, t)
             pairs += 1
