@@ -28,9 +28,8 @@ full at 8k (v5e, v6e, tpu7x) the best was among them; not so from 8k to 32k
 
 Evidence goes to bench/results/flash_tuning_<generation>.json, the table to
 flash_attention/tuned_blocks.py (generated from those files; do not edit it). The
-records that FOLLOW and FOLLOWED_TOKENS rest on (rated over every candidate, before
-`--redo` rated the 2k and 8k entries of v6e and tpu7x again over fewer) are kept in
-FOLLOW_EVIDENCE.
+2k and 8k records that FOLLOW and FOLLOWED_TOKENS rest on (rated over every candidate,
+before `--redo` rated v6e's and tpu7x's again over fewer) are kept in FOLLOW_EVIDENCE.
 """
 
 from __future__ import annotations
