@@ -178,7 +178,7 @@ def main() -> int:
         kernel = get_kernel(entry["repo-id"], version=entry["version"])
         variant = Path(kernel.__file__).parent.parent.name
         if key not in DEMOS:
-            print(f"  loaded {variant}; in development, no demo yet: its tests are tests/test_{key}_*.py")
+            print(f"  loaded {variant}; no demo in make demo: its tests are tests/test_{key}_*.py")
             continue
         check, compiles = DEMOS[key]
         print(f"  loaded {variant}; running tiny models (CPU, interpret mode) ...", flush=True)
