@@ -159,6 +159,21 @@ def smem_bytes(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block:
     return 4 * (4 * step_capacity(num_blocks, max_seqs, num_chunks, only) + 2 * max_seqs + 4 + 4 * pages_per_block)
 
 
+def fit_step_list_to_smem(blocks: BlockSizes, num_tokens: int, max_seqs: int, pages_per_seq: int,
+                          only: str) -> BlockSizes:
+    """The default path's blocks with the chunk doubled until the step list fits SMEM: a sliding
+    window's short chunks over a long page table (gpt-oss's window of 128 with 256 sequences of
+    32k) would otherwise list more steps than SMEM holds. Explicit blocks are never changed."""
+    def need(pages):
+        chunks = -(-pages_per_seq // pages)
+        return smem_bytes(-(-max(num_tokens, 1) // blocks.block_q), max_seqs, chunks, pages, only)
+
+    pages = blocks.pages_per_block
+    while pages < pages_per_seq and need(pages) > SMEM_BYTES - SMEM_RESERVE:
+        pages = min(2 * pages, pages_per_seq)
+    return dataclasses.replace(blocks, pages_per_block=pages)
+
+
 def check_step_list_fits_smem(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block: int,
                               only: str | None = None) -> None:
     """Past SMEM's 1 MiB the compile fails: say so first, with what to change."""
@@ -301,8 +316,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
         _, seq, live = token_seqs(cu_q_lens, run_seqs, t)
         single = (cu_q_lens[seq + 1] - cu_q_lens[seq] == 1)[:, None, None]
         # The prefill kernel first: its step list is the longer, so an SMEM refusal names its count.
-        prefill = attend(tuning.prefill_blocks(*table), "prefill")
-        out = jnp.where(single, attend(tuning.decode_blocks(*table), "decode"), prefill)
+        fit = lambda blocks, only: fit_step_list_to_smem(blocks, t, kv_lens.shape[0], page_indices.shape[1], only)
+        prefill = attend(fit(tuning.prefill_blocks(*table), "prefill"), "prefill")
+        out = jnp.where(single, attend(fit(tuning.decode_blocks(*table), "decode"), "decode"), prefill)
         out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
     return jnp.where(valid, out, jnp.nan)
 

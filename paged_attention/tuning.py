@@ -9,7 +9,7 @@ candidates with the bench's schedule model per generation, head_dim, page
 size and cache dtype). Calls the table does not hold (another page size, an
 f32 cache, a generation not tuned yet) take the rule: 128 query rows and
 512 keys per chunk. Under a sliding window, chunks hold at most about the
-window's keys.
+window's keys (ops doubles them where the step list would not fit SMEM).
 """
 
 from __future__ import annotations

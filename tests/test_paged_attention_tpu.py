@@ -2,6 +2,7 @@
 generation, within each chip's VMEM: a serving step of 1024 new tokens over 256 sequences with
 room for 32k tokens of context each, and the cache write, in place."""
 
+import dataclasses
 import math
 import os
 
@@ -108,6 +109,24 @@ def test_tuned_entries_fit_smem_at_serving_limits(generation, key):
         chunks = -(-pages_per_seq // blocks.pages_per_block)
         ops.check_step_list_fits_smem(-(-SERVING["tokens"] // blocks.block_q), SERVING["seqs"], chunks,
                                       blocks.pages_per_block, only)
+
+
+@pytest.mark.parametrize("only,choose", [("decode", tuning.decode_blocks), ("prefill", tuning.prefill_blocks)])
+def test_window_chunks_grow_until_the_step_list_fits_smem(only, choose):
+    """gpt-oss's window of 128 at SERVING: window-sized chunks over a 32k page table list more
+    steps than SMEM holds; the default path doubles them to the first size that fits."""
+    pages_per_seq = SERVING["context"] // 32
+    window_blocks = choose(8, 32, pages_per_seq, 64, jnp.int8, "v5e", 128)
+    args = (SERVING["tokens"], SERVING["seqs"], pages_per_seq, only)
+    blocks = ops.fit_step_list_to_smem(window_blocks, *args)
+    check = lambda b: ops.check_step_list_fits_smem(-(-SERVING["tokens"] // b.block_q), SERVING["seqs"],
+                                                    -(-pages_per_seq // b.pages_per_block), b.pages_per_block, only)
+    check(blocks)
+    with pytest.raises(ValueError, match="SMEM"):
+        check(window_blocks)
+    with pytest.raises(ValueError, match="SMEM"):
+        check(dataclasses.replace(blocks, pages_per_block=blocks.pages_per_block // 2))
+    assert ops.fit_step_list_to_smem(blocks, *args) == blocks  # blocks that fit stay as they are
 
 
 @pytest.mark.parametrize("generation,key", TUNED_ENTRIES if os.environ.get("PAGED_CHECK_ALL_TUNED") == "1" else [])
