@@ -139,15 +139,23 @@ def test_lp_scheduler_is_chosen_where_modeled_faster_by_the_margin():
     assert flash_tune.table_value(record) == (2048, 512)  # not rated: the default scheduler
 
 
-def test_v6e_head_dims_share_the_reference_entrys_best():
-    """What FOLLOW rests on: where every head_dim was rated in full (v6e, 2k and 8k), the
-    reference head_dim's best is among its FOLLOW best at every other head_dim."""
+def full_ratings(generation: str) -> dict:
+    """flash_tune.FOLLOW_EVIDENCE's records of `generation` by key, each rated over every candidate."""
     import json
 
     import flash_tune
 
-    records = {tuple(r["key"]): r for r in json.loads(flash_tune.FOLLOW_EVIDENCE.read_text())
-               if r["generation"] == "v6e"}
+    records = [r for r in json.loads(flash_tune.FOLLOW_EVIDENCE.read_text()) if r["generation"] == generation]
+    assert not [r["key"] for r in records if "rated" in r], "evidence rated over fewer candidates"
+    return {tuple(r["key"]): r for r in records}
+
+
+def test_v6e_head_dims_share_the_reference_entrys_best():
+    """What FOLLOW rests on: where every head_dim was rated in full (v6e, 2k and 8k), the
+    reference head_dim's best is among its FOLLOW best at every other head_dim."""
+    import flash_tune
+
+    records = full_ratings("v6e")
     pairs = 0
     for (d, g, t), record in records.items():
         reference = records.get((flash_tune.REFERENCE_HEAD_DIM, g, t))
@@ -162,14 +170,11 @@ def test_8k_entries_share_their_2k_entrys_best():
     """What FOLLOWED_TOKENS rests on: every entry rated in full at 8k (any head_dim, every
     generation) has its best among the FOLLOW best of its 2k entry, and reference_key sends
     head_dim 128 at 8k there (the others to head_dim 128 at their length; 32k rates in full)."""
-    import json
-
     import flash_tune
 
     pairs = 0
-    evidence = json.loads(flash_tune.FOLLOW_EVIDENCE.read_text())
     for generation in tuning.TUNED:
-        records = {tuple(r["key"]): r for r in evidence if r["generation"] == generation}
+        records = full_ratings(generation)
         for (d, g, t), record in records.items():
             shorter = records.get((d, g, flash_tune.FOLLOWED_TOKENS.get(t)))
             if shorter is None:

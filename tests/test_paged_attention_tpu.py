@@ -105,10 +105,14 @@ def test_tuned_entries_fit_smem_at_serving_limits(generation, key):
     d, page_size, dtype = key
     pages_per_seq = SERVING["context"] // page_size
     for only, choose in (("decode", tuning.decode_blocks), ("prefill", tuning.prefill_blocks)):
-        blocks = choose(4, page_size, pages_per_seq, d, dtype, generation)
-        chunks = -(-pages_per_seq // blocks.pages_per_block)
-        ops.check_step_list_fits_smem(-(-SERVING["tokens"] // blocks.block_q), SERVING["seqs"], chunks,
-                                      blocks.pages_per_block, only)
+        check_serving_step_list_fits_smem(choose(4, page_size, pages_per_seq, d, dtype, generation), pages_per_seq,
+                                          only)
+
+
+def check_serving_step_list_fits_smem(blocks: BlockSizes, pages_per_seq: int, only: str) -> None:
+    """ops' SMEM check for a call at SERVING in `blocks`: raises ValueError where it does not fit."""
+    ops.check_step_list_fits_smem(-(-SERVING["tokens"] // blocks.block_q), SERVING["seqs"],
+                                  -(-pages_per_seq // blocks.pages_per_block), blocks.pages_per_block, only)
 
 
 @pytest.mark.parametrize("only,choose", [("decode", tuning.decode_blocks), ("prefill", tuning.prefill_blocks)])
@@ -119,8 +123,7 @@ def test_window_chunks_grow_until_the_step_list_fits_smem(only, choose):
     window_blocks = choose(8, 32, pages_per_seq, 64, jnp.int8, "v5e", 128)
     args = (SERVING["tokens"], SERVING["seqs"], pages_per_seq, only)
     blocks = ops.fit_step_list_to_smem(window_blocks, *args)
-    check = lambda b: ops.check_step_list_fits_smem(-(-SERVING["tokens"] // b.block_q), SERVING["seqs"],
-                                                    -(-pages_per_seq // b.pages_per_block), b.pages_per_block, only)
+    check = lambda b: check_serving_step_list_fits_smem(b, pages_per_seq, only)
     check(blocks)
     with pytest.raises(ValueError, match="SMEM"):
         check(window_blocks)
