@@ -28,8 +28,11 @@ Masking. Each row carries the range of keys it sees as positions in a
 chunk's columns reach another sequence), so one compare per bound also keeps
 a row to its own sequence. Statistics are f32 in base 2, as in flash
 attention; a sink enters as the softmax's starting max and sum.
-Quantized caches: K's scale is folded into the softmax scale, V's applied
-to the output, so the chunks enter the matmuls as they are stored.
+Quantized caches: K's scale multiplies the softmax scale, V's divides the
+softmax's sum, so the chunks enter the matmuls as they are stored. The two
+scales are an operand (SMEM), not compile-time constants: a model whose layers
+each have their own scales compiles the kernel once, and scales held in device
+tensors (as serving engines hold them) are never read back to the host.
 """
 
 from __future__ import annotations
@@ -54,11 +57,10 @@ class BlockSizes:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The static part of a call."""
-    scale: float  # the softmax scale times k_scale
+    scale: float  # the softmax scale (k_scale is an operand: `ragged_paged_attention`'s kv_scales)
     softcap: float  # 0: none
     has_sinks: bool
     groups: int  # query heads per KV head (G)
-    v_scale: float  # 1: none
     page_size: int
     key_stride: int  # the stride of the global key positions: the sequences' chunks span it
     windowed: bool  # a sliding window: pages before a sequence's window start are not copied
@@ -103,7 +105,7 @@ def query_block(part, i, part_first, part_count, step_block, spare: int):
 
 
 def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works, kv_lens, seq_lo,  # scalar prefetch
-            pages_now, pages_next, q_ref, lo_ref, hi_ref, sink_ref, k_hbm, v_hbm,  # inputs
+            pages_now, pages_next, q_ref, lo_ref, hi_ref, sink_ref, kv_scales, k_hbm, v_hbm,  # inputs
             o_ref,  # output
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref, lo_cols, hi_cols,  # scratch
             *, opts: Options, blocks: BlockSizes):
@@ -214,11 +216,12 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             parts = [buf.at[slot][pl.ds(h * n + j, chunk, stride=hkv * n), :] for j in range(n)]
             return parts[0] if n == 1 else jnp.concatenate(parts, axis=1)
 
+        score_scale = opts.scale * kv_scales[0]
         for h in range(hkv):  # the KV heads: a page holds them all, head-minor
             q = q_ref[h]
             k = head_rows(k_buf, h).astype(q.dtype)
             v = jnp.where(stored, head_rows(v_buf, h).astype(q.dtype), 0)
-            s = jnp.where(visible, scores(q, k, opts.scale, opts.softcap)[0], MASKED)
+            s = jnp.where(visible, scores(q, k, score_scale, opts.softcap)[0], MASKED)
             m_prev = m_ref[h]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             # A row that has seen no key yet (m_new still MASKED) gets p = 1 for its hidden keys here:
@@ -236,12 +239,12 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             m, l = m_ref[h], l_ref[h]
             # A row saw a key or a sink; a NaN score (which a max may skip, a sum does not) is passed on.
             seen = (m != MASKED) | jnp.isnan(l)
-            l = jnp.where(seen, l, 1.0) / opts.v_scale
+            l = jnp.where(seen, l, 1.0) / kv_scales[1]
             o_ref[h] = jnp.where(lanes(seen, width), acc_ref[h] / lanes(l, width), 0.0).astype(o_ref.dtype)
 
 
-def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, row_lo, row_hi, sink_rows, schedule, *,
-                           opts: Options, blocks: BlockSizes, interpret, name="ragged_paged_attention"):
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, row_lo, row_hi, sink_rows, kv_scales,
+                           schedule, *, opts: Options, blocks: BlockSizes, interpret, name="ragged_paged_attention"):
     """o [Hkv, T*G, Dv] in q's dtype; blocks no step covers hold whatever VMEM held.
 
     q [Hkv, T*G, D] (T a multiple of block_q, its last block a spare no step covers: a part with no
@@ -249,7 +252,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
     with opts.head_major), v_cache [.., Dv]; kv_lens [S] int32; seq_lo [S] int32: the first position a sequence's new
     tokens see (0 without a sliding window); page_chunks [S, chunks, 1, pages_per_block] int32
     (a sequence's page table cut in chunks); row_lo, row_hi [T*G, 1] int32 (global key
-    positions); sink_rows [Hkv, block_q*G, 1] f32; schedule: `ops.make_schedule`'s step arrays.
+    positions); sink_rows [Hkv, block_q*G, 1] f32; kv_scales [2] f32: the caches' k_scale and
+    v_scale (1 for an unquantized cache); schedule: `ops.make_schedule`'s step arrays.
     """
     hkv, rows, d = q.shape
     dv = v_cache.shape[3]
@@ -297,6 +301,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
                 pl.BlockSpec((rows_per_block, 1), row_block),
                 pl.BlockSpec((rows_per_block, 1), row_block),
                 pl.BlockSpec((hkv, rows_per_block, 1), lambda *_: (0, 0, 0)),
+                pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
@@ -321,7 +326,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
         interpret=interpret,
         name=name,
     )(schedule.part_first, schedule.part_count, schedule.block, schedule.seq, schedule.chunk, schedule.works,
-      kv_lens, seq_lo, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, k_pages, v_pages)
+      kv_lens, seq_lo, page_chunks, page_chunks, q, row_lo, row_hi, sink_rows, kv_scales, k_pages, v_pages)
 
 
 # ---------------------------------------------------------------- cache write

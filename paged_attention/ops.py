@@ -237,6 +237,31 @@ def _check_cache_dtype(name, cache):
         raise TypeError(f"{name} must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {cache.dtype}")
 
 
+def scale_operand(name: str, scale) -> jax.Array:
+    """A cache's k_scale or v_scale as the f32 scalar the kernels take: None (an unquantized
+    cache: 1), a positive number, or a one-element float array (its value is not read here: an
+    engine's scales may live on the device)."""
+    if scale is None:
+        return jnp.ones((), jnp.float32)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be positive and finite, got {scale!r}")
+        return jnp.asarray(scale, jnp.float32)
+    if getattr(scale, "size", None) != 1 or not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a positive float or a one-element float array, got "
+                         f"{getattr(scale, 'dtype', type(scale).__name__)} {getattr(scale, 'shape', '')}")
+    return jnp.asarray(scale, jnp.float32).reshape(())
+
+
+def live_offsets(cu_q_lens, num_seqs):
+    """cu_q_lens with every entry past num_seqs set to the live sequences' end: whatever an engine
+    pads them with (vLLM pads with 1s), the padding sequences are empty and after the live ones,
+    so searches over the offsets see them sorted."""
+    entries = jnp.arange(cu_q_lens.shape[0])
+    end = cu_q_lens[jnp.clip(num_seqs, 0, cu_q_lens.shape[0] - 1)]
+    return jnp.where(entries <= num_seqs, cu_q_lens, end)
+
+
 def check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks, cache_layout: str = "token_major"):
     """Shapes and dtypes, at trace time: a clear error naming the argument."""
     if q.ndim != 3:
@@ -276,8 +301,10 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     kv_lens [S] int32: each sequence's tokens, the new ones included; page_indices
     [S, pages_per_seq] int32; cu_q_lens [S + 1] int32: where each sequence's new tokens are
     in q; num_seqs: the live sequences (an int or a [1] / () int32 array; the arrays may be
-    padded past it). Returns [T, Hq, D] in q's dtype; tokens past the live sequences' get
-    zeros. Index values are checked on the device: invalid ones make the output NaN.
+    padded past it, and what they hold there is ignored). k_scale, v_scale: a quantized
+    cache's scales, numbers or one-element float arrays. Returns [T, Hq, D] in q's dtype;
+    tokens past the live sequences' get zeros. Index values and scales are checked on the
+    device: invalid ones make the output NaN.
     generation: the TPU generation to run on (default: the current device's); on v5p the
     steps are split over the megacore's two cores. Without `blocks`, decode sequences (one new
     token) run in 8-row query blocks (`tuning.decode_blocks`) and the others in larger ones
@@ -297,16 +324,18 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     generation = generation or current_generation().name
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
-    options = dict(scale=scale * (1.0 if k_scale is None else float(k_scale)), softcap=float(softcap or 0.0),
-                   has_sinks=sinks is not None, groups=groups, v_scale=1.0 if v_scale is None else float(v_scale),
+    kv_scales = jnp.stack([scale_operand("k_scale", k_scale), scale_operand("v_scale", v_scale)])
+    options = dict(scale=scale, softcap=float(softcap or 0.0), has_sinks=sinks is not None, groups=groups,
                    page_size=page_size, windowed=bool(sliding_window), head_major=cache_layout == "head_major")
     valid = inputs_valid(cu_q_lens, kv_lens, page_indices, num_seqs, t, num_pages, page_indices.shape[1] * page_size)
+    valid &= jnp.all(kv_scales > 0) & jnp.all(jnp.isfinite(kv_scales))
     # Invalid index values: the kernels run no sequence, so that no copy reads outside the cache
     # (the kernel's copies trust the page indices of the sequences they run).
     run_seqs = jnp.where(valid, num_seqs, 0)
+    cu_q_lens = live_offsets(cu_q_lens, run_seqs)
     attend = lambda blocks, only=None: _attend(
-        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, run_seqs, sinks, sliding_window, options, blocks,
-        only, generation, interpret)
+        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, run_seqs, sinks, kv_scales, sliding_window, options,
+        blocks, only, generation, interpret)
     if blocks is not None:
         out = attend(blocks)
     else:
@@ -323,8 +352,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     return jnp.where(valid, out, jnp.nan)
 
 
-def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sliding_window, options: dict,
-            blocks: BlockSizes, only: str | None, generation: str, interpret):
+def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, kv_scales, sliding_window,
+            options: dict, blocks: BlockSizes, only: str | None, generation: str, interpret):
     """ragged_paged_attention with its blocks chosen: [T, Hq, D]. only: "decode" or "prefill",
     that kind of sequence alone (`make_schedule`), other tokens' rows left undefined."""
     t, hq, _ = q.shape
@@ -349,16 +378,17 @@ def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sin
     sink_rows = jnp.tile(sink.reshape(hkv, 1, groups), (1, blocks.block_q, 1)).reshape(hkv, -1, 1)
     out = _kernel_call(heads_as_rows(q, groups, num_tokens), k_cache, v_cache, kv_lens,
                        window_starts(cu_q_lens, kv_lens, sliding_window), page_chunks,
-                       jnp.repeat(lo, groups)[:, None], jnp.repeat(hi, groups)[:, None], sink_rows, schedule,
+                       jnp.repeat(lo, groups)[:, None], jnp.repeat(hi, groups)[:, None], sink_rows, kv_scales, schedule,
                        opts=opts, blocks=blocks, interpret=interpret,
                        name="ragged_paged_attention" + (f"_{only}" if only else ""))
     return rows_as_heads(out, groups, t)
 
 
 def quantize(x, dtype, scale):
-    """x as a cache of `dtype` stores it: x / scale (scale None: 1), rounded; int8 to the
-    nearest integer and fp8 to the nearest value, each saturated at its largest magnitude."""
-    x = x.astype(jnp.float32) / (1.0 if scale is None else float(scale))
+    """x as a cache of `dtype` stores it: x / scale (scale None: 1; a number or a one-element
+    array), rounded; int8 to the nearest integer and fp8 to the nearest value, each saturated at
+    its largest magnitude."""
+    x = x.astype(jnp.float32) / (1.0 if scale is None else jnp.asarray(scale, jnp.float32).reshape(()))
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
         return jnp.clip(jnp.round(x), info.min, info.max).astype(dtype)
@@ -368,25 +398,43 @@ def quantize(x, dtype, scale):
     return x.astype(dtype)
 
 
+def check_write_shapes(key, value, key_cache, value_cache, slot_mapping, cache_layout: str = "token_major"):
+    """The cache write's shapes (anything with .shape and .dtype), at trace time, before anything
+    is written: an error names each argument and the shapes the caller passed. key and value agree
+    in tokens and match their caches' heads and head_dim; slot_mapping has at most key's tokens
+    (vLLM's convention: key and value may be padded past the slots, and their extra rows are
+    never written)."""
+    for name, new, cache in (("key", key, key_cache), ("value", value, value_cache)):
+        if len(new.shape) != 3 or len(cache.shape) != 4 or tuple(new.shape[1:]) != cache_dims(cache, cache_layout)[2:]:
+            raise ValueError(f"{name} {tuple(new.shape)} must be [tokens, kv_heads, head_dim] matching {name}_cache's "
+                             f"{_layout_text(cache_layout)} {tuple(cache.shape)}")
+        _check_cache_dtype(f"{name}_cache", cache)
+    if cache_dims(key_cache, cache_layout)[:3] != cache_dims(value_cache, cache_layout)[:3]:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in "
+                         "pages, page_size or kv_heads")
+    if key.shape[0] != value.shape[0]:
+        raise ValueError(f"key has {key.shape[0]} tokens and value {value.shape[0]} (key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}): they must agree")
+    if len(slot_mapping.shape) != 1 or slot_mapping.shape[0] > key.shape[0]:
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [tokens] with at most key's "
+                         f"{key.shape[0]} tokens (key {tuple(key.shape)}): one slot per token written")
+
+
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, *,
                             cache_layout: str = "token_major", interpret=None):
     """(key_cache, value_cache) with the new tokens' key and value [T, Hkv, D] written at
-    slot_mapping [T] int32 (page * page_size + row; -1: padding, skipped), quantized with
-    k_scale / v_scale for fp8 and int8 caches; the caches in `cache_layout` (`CACHE_LAYOUTS`).
-    The caches are aliased to the results: under jax.jit with the caches donated, they are
-    written in place. A slot past the cache is never written, and not reported: a caller
-    holding the slots on the host checks them there."""
-    for name, new, cache in (("key", key, key_cache), ("value", value, value_cache)):
-        if new.ndim != 3 or cache.ndim != 4 or new.shape[1:] != cache_dims(cache, cache_layout)[2:]:
-            raise ValueError(f"{name} {new.shape} must be [tokens, kv_heads, head_dim] matching the cache's "
-                             f"{_layout_text(cache_layout)} {cache.shape}")
-        _check_cache_dtype(f"{name}_cache", cache)
-    if cache_dims(key_cache, cache_layout)[:2] != cache_dims(value_cache, cache_layout)[:2]:
-        raise ValueError(f"key_cache {key_cache.shape} and value_cache {value_cache.shape} differ in pages or "
-                         "page_size")
-    if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != key.shape[:1] or value.shape[0] != key.shape[0]:
-        raise ValueError(f"slot_mapping must be int32 [{key.shape[0]}] (one slot per token of key and value), got "
-                         f"{slot_mapping.dtype} {slot_mapping.shape} for value tokens {value.shape[0]}")
+    slot_mapping [N] int32, N <= T (page * page_size + row; -1: padding, skipped): token t < N
+    goes to slot slot_mapping[t], and key's and value's rows from N on (a caller's padding) are
+    never written. fp8 and int8 caches store x / k_scale and x / v_scale (numbers or one-element
+    arrays). The caches are in `cache_layout` (`CACHE_LAYOUTS`) and aliased to the results: under
+    jax.jit with the caches donated, they are written in place. A slot past the cache is never
+    written, and not reported: a caller holding the slots on the host checks them there."""
+    check_write_shapes(key, value, key_cache, value_cache, slot_mapping, cache_layout)
+    if slot_mapping.dtype != jnp.int32:
+        raise TypeError(f"slot_mapping must be int32, got {slot_mapping.dtype}")
+    t = slot_mapping.shape[0]
+    key = quantize(key[:t], key_cache.dtype, scale_operand("k_scale", k_scale))
+    value = quantize(value[:t], value_cache.dtype, scale_operand("v_scale", v_scale))
     if cache_layout == "head_major":
         # A token's row of each head is one row of a page's tiles, which a DMA cannot address in
         # HBM (Mosaic's copies start on whole tiles): XLA's scatter writes it, in place when the
@@ -394,11 +442,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
         pages, page_size = cache_dims(key_cache, cache_layout)[:2]
         slot = jnp.where(slot_mapping >= 0, slot_mapping, pages * page_size)
         page, row = slot // page_size, slot % page_size
-        return tuple(cache.at[page, :, row].set(quantize(new, cache.dtype, scale), mode="drop")
-                     for new, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)))
+        return tuple(cache.at[page, :, row].set(new, mode="drop")
+                     for new, cache in ((key, key_cache), (value, value_cache)))
     interpret = default_interpret() if interpret is None else interpret
-    t = key.shape[0]
     padded = round_up(max(t, 1), TOKENS_PER_WRITE_STEP)
     pad = lambda x, fill=0: jnp.pad(x, ((0, padded - t),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
-    return write_cache(pad(quantize(key, key_cache.dtype, k_scale)), pad(quantize(value, value_cache.dtype, v_scale)),
-                       key_cache, value_cache, pad(slot_mapping, -1), interpret=interpret)
+    return write_cache(pad(key), pad(value), key_cache, value_cache, pad(slot_mapping, -1), interpret=interpret)

@@ -58,15 +58,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     return jnp.asarray(out)
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, quantize):
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, quantize, k_scale=None, v_scale=None):
     """(key_cache, value_cache) with token t written at slot slot_mapping[t] (page * page_size +
-    row); slots of -1 skipped. quantize(x, cache): x as the cache stores it."""
+    row); slots of -1 skipped, key's and value's rows past slot_mapping's never written.
+    quantize(x, dtype, scale): x as a cache of that dtype stores it."""
     slots = np.asarray(slot_mapping)
     keep = slots >= 0
 
-    def write(cache, new):
+    def write(cache, new, scale):
         flat = np.array(cache.astype(jnp.float32)).reshape(-1, *cache.shape[2:])
-        flat[slots[keep]] = np.asarray(quantize(new[keep], cache).astype(jnp.float32))
+        flat[slots[keep]] = np.asarray(quantize(new[: len(slots)][keep], cache.dtype, scale).astype(jnp.float32))
         return jnp.asarray(flat.reshape(cache.shape)).astype(cache.dtype)
 
-    return write(key_cache, key), write(value_cache, value)
+    return write(key_cache, key, k_scale), write(value_cache, value, v_scale)

@@ -4,6 +4,8 @@ lie), with argument checks that name the argument."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import torch
 
@@ -18,19 +20,19 @@ CACHE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8)
 
 def _attention_jax(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
                    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sinks: jax.Array,
-                   softmax_scale: float, sliding_window: int, softcap: float, has_sinks: bool, k_scale: float,
-                   v_scale: float, head_major: bool, *, interpret, generation) -> jax.Array:
+                   kv_scales: jax.Array, softmax_scale: float, sliding_window: int, softcap: float, has_sinks: bool,
+                   head_major: bool, *, interpret, generation) -> jax.Array:
     return ops.ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, softmax_scale=softmax_scale,
         sliding_window=sliding_window or None, softcap=softcap or None, sinks=sinks if has_sinks else None,
-        k_scale=k_scale, v_scale=v_scale, cache_layout=_layout(head_major), generation=generation,
+        k_scale=kv_scales[0], v_scale=kv_scales[1], cache_layout=_layout(head_major), generation=generation,
         interpret=interpret)
 
 
 def _write_jax(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
-               slot_mapping: jax.Array, k_scale: float, v_scale: float, head_major: bool, *, interpret,
+               slot_mapping: jax.Array, kv_scales: jax.Array, head_major: bool, *, interpret,
                generation) -> tuple[jax.Array, jax.Array]:
-    return ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+    return ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_scales[0], kv_scales[1],
                                        cache_layout=_layout(head_major), interpret=interpret)
 
 
@@ -45,8 +47,34 @@ write_op = jax_custom_op(f"{OP_NAMESPACE}::reshape_and_cache_flash", _write_jax,
 
 
 def _check_scale(name, scale):
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
         raise ValueError(f"{name} must be a positive float or None, got {scale!r}")
+
+
+def _kv_scales(k_scale, v_scale, device) -> torch.Tensor:
+    """[2] f32 on `device`: a quantized cache's k_scale and v_scale (1 for None), each a positive
+    number or a one-element float tensor, as vLLM holds them. A tensor's value is checked only
+    where reading it costs no device round trip; on a TPU a bad one makes the attention's output
+    NaN (ops.ragged_paged_attention). The kernels take the scales as an operand, so changing them
+    compiles nothing."""
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scale, torch.Tensor):
+            _check_scale(name, scale)
+            scales.append(float(scale or 1.0))
+            continue
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise ValueError(f"{name} must be a positive float or a one-element float tensor, got {scale.dtype} "
+                             f"{tuple(scale.shape)}")
+        if scale.device != device:
+            raise ValueError(f"{name} is on {scale.device}, the caches on {device}")
+        if values_on_host(scale) and not 0 < float(scale) < math.inf:
+            raise ValueError(f"{name} must be positive and finite, got {float(scale)}")
+        scales.append(scale.reshape(()).to(torch.float32))
+    if not any(isinstance(s, torch.Tensor) for s in scales):
+        return torch.tensor(scales, dtype=torch.float32, device=device)
+    return torch.stack([s if isinstance(s, torch.Tensor) else torch.tensor(s, dtype=torch.float32, device=device)
+                        for s in scales])
 
 
 def _spec(t: torch.Tensor) -> jax.ShapeDtypeStruct:
@@ -93,10 +121,11 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     kv_lens [S] int32: each sequence's tokens, the new ones included; page_indices
     [S, pages_per_seq] int32; cu_q_lens [S + 1] int32: where each sequence's new tokens are in q;
     num_seqs: the live sequences (an int, or a one-element int32 tensor; the arrays may be padded
-    past it). A sequence's new tokens are its last positions and attend causally.
-    sliding_window=W: a query at position p sees keys p - W + 1 .. p; softcap c maps a scaled
-    score s to c * tanh(s / c); sinks [Hq] add exp(sinks[h]) to the softmax's denominator.
-    Returns [T, Hq, D] in q's dtype; tokens past the live sequences get zeros.
+    past it, and what they hold there is ignored). A sequence's new tokens are its last positions
+    and attend causally. sliding_window=W: a query at position p sees keys p - W + 1 .. p; softcap
+    c maps a scaled score s to c * tanh(s / c); sinks [Hq] (kept in f32) add exp(sinks[h]) to the
+    softmax's denominator; k_scale, v_scale: a quantized cache's scales, floats or one-element
+    float tensors. Returns [T, Hq, D] in q's dtype; tokens past the live sequences get zeros.
     """
     check_tensor("q", q, 3, QUERY_DTYPES)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -112,8 +141,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, page_indices=page_indices,
                    cu_q_lens=cu_q_lens, num_seqs=num_seqs_tensor, sinks=sinks)
     _check_scale("softmax_scale", softmax_scale)
-    _check_scale("k_scale", k_scale)
-    _check_scale("v_scale", v_scale)
+    kv_scales = _kv_scales(k_scale, v_scale, k_cache.device)
     if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
         raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap >= 0):
@@ -121,23 +149,29 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     # Shapes (heads, head_dim, page and sequence counts) are checked by ops, with the same names.
     ops.check_shapes(*(_spec(t) for t in (q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens)),
                      None if sinks is None else _spec(sinks), cache_layout)
-    if values_on_host(kv_lens):
+    tokens, seqs = q.shape[0], kv_lens.shape[0]
+    on_host = values_on_host(kv_lens)
+    if on_host:
         live = int(num_seqs_tensor) if num_seqs_tensor is not None else int(num_seqs)
-        _check_index_values(kv_lens, page_indices, cu_q_lens, live, q.shape[0],
-                            *ops.cache_dims(k_cache, cache_layout)[:2])
+        _check_index_values(kv_lens, page_indices, cu_q_lens, live, tokens, *ops.cache_dims(k_cache, cache_layout)[:2])
     if num_seqs_tensor is None:
         num_seqs_tensor = torch.tensor([num_seqs], dtype=torch.int32, device=q.device)
+    if not on_host:
+        # The op's own check sees the bucketed counts below: num_seqs past kv_lens' S sequences, or
+        # live tokens past q's T, would pass it and read padding as data. Such a call is made
+        # invalid (num_seqs -1) on the device, without a read on the host: its output is NaN.
+        n = num_seqs_tensor.reshape(1)
+        end = cu_q_lens.gather(0, n.clamp(0, seqs).long())
+        num_seqs_tensor = torch.where((n > seqs) | (end > tokens), -1, n)
     # Token and sequence counts padded to powers of two: a serving loop compiles a bounded set
     # of shapes. Padding tokens and sequences are past num_seqs' tokens: never computed.
-    tokens, seqs = q.shape[0], kv_lens.shape[0]
     num_q, num_s = bucket_size(tokens), bucket_size(seqs)
     out = attention_op(
         pad_rows(q, num_q), k_cache, v_cache, pad_rows(kv_lens, num_s), pad_rows(page_indices, num_s),
         pad_offsets(cu_q_lens, num_s + 1),
-        num_seqs_tensor.reshape(()), sinks.to(q.dtype) if sinks is not None else q.new_empty(0),
-        float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5, int(sliding_window or 0),
-        float(softcap or 0.0), sinks is not None, float(k_scale or 1.0), float(v_scale or 1.0),
-        cache_layout == "head_major")
+        num_seqs_tensor.reshape(()), sinks.float() if sinks is not None else q.new_empty(0, dtype=torch.float32),
+        kv_scales, float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5,
+        int(sliding_window or 0), float(softcap or 0.0), sinks is not None, cache_layout == "head_major")
     return out[:tokens] if num_q != tokens else out
 
 
@@ -155,9 +189,11 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
                             cache_layout="token_major") -> None:
     """Writes new tokens' key and value [T, Hkv, D] into key_cache and value_cache
     [num_pages, page_size, Hkv, D] ([num_pages, Hkv, page_size, D] with
-    cache_layout="head_major") in place, at slot_mapping [T] (int32 or int64:
-    page * page_size + offset; -1 skips the token, as padding). fp8 and int8 caches store
-    value / scale (k_scale, v_scale), rounded and saturated. On TPU the caches must be whole
+    cache_layout="head_major") in place, at slot_mapping [N] (int32 or int64, N <= T:
+    page * page_size + offset; -1 skips the token, as padding). As in vLLM, key and value may
+    be padded past N tokens (for graph capture): their rows from N on are never written.
+    fp8 and int8 caches store value / scale (k_scale, v_scale: floats or one-element float
+    tensors). Shapes are checked before anything is written. On TPU the caches must be whole
     tensors, not views of a larger one: their buffers are reused in place."""
     for name, t in (("key", key), ("value", value)):
         check_tensor(name, t, 3, QUERY_DTYPES)
@@ -168,8 +204,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
                              "so pass the whole cache tensor")
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
-    _check_scale("k_scale", k_scale)
-    _check_scale("v_scale", v_scale)
+    ops.check_write_shapes(*(_spec(t) for t in (key, value, key_cache, value_cache)),
+                           jax.ShapeDtypeStruct(tuple(slot_mapping.shape), "int32"), cache_layout)
+    kv_scales = _kv_scales(k_scale, v_scale, key_cache.device)
     pages, page_size = ops.cache_dims(key_cache, cache_layout)[:2]
     num_slots = pages * page_size
     if values_on_host(slot_mapping) and slot_mapping.numel():
@@ -177,11 +214,13 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
         if bool(bad.any()):
             raise ValueError(f"slot_mapping values must be -1 (skip) or lie in [0, {num_slots}), got "
                              f"{int(slot_mapping[bad][0])}")
-    tokens = key.shape[0]
+    tokens = slot_mapping.shape[0]
     num = bucket_size(tokens)
     # Clamped before narrowing: an int64 slot past the cache must not wrap into it (-1 and num_slots are skipped).
     slots = pad_rows(slot_mapping.clamp(-1, num_slots).to(torch.int32), num, value=-1)
-    new_k, new_v = write_op(pad_rows(key, num), pad_rows(value, num), key_cache, value_cache, slots,
-                            float(k_scale or 1.0), float(v_scale or 1.0), cache_layout == "head_major")
+    # key's and value's rows past the slots (a caller's padding) are dropped here; the bucket's
+    # padding rows get slot -1.
+    new_k, new_v = write_op(pad_rows(key[:tokens], num), pad_rows(value[:tokens], num), key_cache, value_cache,
+                            slots, kv_scales, cache_layout == "head_major")
     _rebind(key_cache, new_k)
     _rebind(value_cache, new_v)

@@ -93,11 +93,17 @@ def ragged_dot(
     ops.check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
     m = lhs.shape[0]
     group_sizes = as_int32_index(group_sizes, "group_sizes", 0, m)
-    if values_on_host(group_sizes) and int(group_sizes.sum(dtype=torch.int64)) > m:
-        raise ValueError(f"group_sizes sum to {int(group_sizes.sum(dtype=torch.int64))}, more than lhs's {m} rows")
     # Rows past sum(group_sizes) cost no matmul, so padding M to a bucket is
     # cheap and bounds the shapes (compiles) the op sees.
     padded = bucket_size(m)
+    if values_on_host(group_sizes):
+        if int(group_sizes.sum(dtype=torch.int64)) > m:
+            raise ValueError(f"group_sizes sum to {int(group_sizes.sum(dtype=torch.int64))}, more than lhs's {m} rows")
+    elif padded != m:
+        # The op's own check sees the bucket's rows: sizes summing past lhs's m rows but within the
+        # bucket would read padding rows as data. Such sizes are made invalid (-1) on the device,
+        # without a read on the host, so the output reports them as NaN.
+        group_sizes = torch.where(group_sizes.sum(dtype=torch.int64) > m, -1, group_sizes)
     out = ragged_dot_op(torch.nn.functional.pad(lhs, (0, 0, 0, padded - m)), rhs, group_sizes, transpose_rhs)
     return out[:m] if padded != m else out
 

@@ -1,6 +1,7 @@
 """paged_attention's kernel in Pallas interpret mode against the f32 reference: random mixes
 of decode, prefill and chunked prefill over shuffled pages, every option, every cache dtype."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -267,6 +268,74 @@ def test_a_page_index_out_of_the_cache_is_never_copied():
     assert bool(jnp.isnan(out).all())
 
 
+def _garbage_past_live(args, max_seqs, seed=0):
+    """args padded to max_seqs sequences past num_seqs with garbage: cu_q_lens entries below the
+    live ones' end (vLLM's 1 first: a search over unsorted offsets misplaces the live tokens),
+    positive and negative kv_lens, and page indices far outside the cache."""
+    q, k_cache, v_cache, kv_lens, page_indices, cu, live = args
+    rng = np.random.default_rng(seed)
+    extra = max_seqs - live
+    cu = np.concatenate([np.asarray(cu)[:live + 1], [1], rng.integers(-1000, 2, extra - 1)])
+    kv = np.concatenate([np.asarray(kv_lens)[:live], rng.integers(-50, 10**4, extra)])
+    # Within the page table's width, so that a scheduled padding sequence would copy its pages.
+    kv[live] = page_indices.shape[1] * k_cache.shape[1]
+    table = np.concatenate([np.asarray(page_indices)[:live],
+                            rng.integers(k_cache.shape[0], 10**6, (extra, page_indices.shape[1]))])
+    return (q, k_cache, v_cache, jnp.asarray(kv, jnp.int32), jnp.asarray(table, jnp.int32),
+            jnp.asarray(cu, jnp.int32), live)
+
+
+@pytest.mark.parametrize("max_seqs", [8, 16])
+@pytest.mark.parametrize("blocks", [CASES[0][7], None], ids=["explicit_blocks", "default_blocks"])
+def test_garbage_past_num_seqs_is_ignored(blocks, max_seqs):
+    """JAX callers (engines) pad their batch to a fixed sequence count: whatever the arrays hold
+    past num_seqs, the output is the reference's over the live sequences."""
+    args, options = _inputs(CASES[0], jnp.float32, extra_seqs=0)
+    padded = _garbage_past_live(args, max_seqs)
+    out = ops.ragged_paged_attention(*padded, blocks=blocks, **options)
+    expected = reference.ragged_paged_attention(*args, **options)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+
+
+def test_padding_sequences_pages_are_never_copied():
+    """The kernel's copies run with bounds checks off: a padding sequence's page table (here far
+    outside the cache, its kv_len the table's whole width) must never be copied. The TPU
+    interpreter fails a copy outside its array."""
+    args, options = _inputs(CASES[1], jnp.float32, extra_seqs=0)
+    padded = _garbage_past_live(args, 8, seed=1)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    out = ops.ragged_paged_attention(*padded, blocks=CASES[1][7], interpret=params, **options)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    expected = reference.ragged_paged_attention(*args, **options)
+    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+
+
+def test_scales_as_arrays_compile_once():
+    """k_scale and v_scale as device arrays (as engines hold them) under jax.jit: one trace serves
+    every value, and each call reads the cache times its own scales. A non-positive scale makes
+    the output NaN, as invalid indices do."""
+    case = CASES[0]
+    args, _ = _inputs(case, jnp.float32, jnp.float8_e4m3fn)
+    traces = []
+
+    @jax.jit
+    def attend(k_scale, v_scale):
+        traces.append(1)
+        return ops.ragged_paged_attention(*args, blocks=case[7], k_scale=k_scale, v_scale=v_scale)
+
+    for k_scale, v_scale in ((0.5, 2.0), (0.25, 0.125)):
+        out = attend(jnp.float32(k_scale), jnp.asarray([v_scale], jnp.float32))
+        expected = reference.ragged_paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
+        assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert len(traces) == 1
+    assert bool(jnp.isnan(attend(jnp.float32(-1.0), jnp.float32(1.0))).all())
+    with pytest.raises(ValueError, match="k_scale must be a positive float or a one-element float array"):
+        ops.ragged_paged_attention(*args, k_scale=jnp.ones((2,), jnp.float32))
+    with pytest.raises(ValueError, match="v_scale must be positive and finite"):
+        ops.ragged_paged_attention(*args, v_scale=0.0)
+
+
 def _head_major(cache):
     """A token-major cache [pages, page_size, Hkv, D] as the same values held head-major."""
     return cache.transpose(0, 2, 1, 3)
@@ -327,10 +396,10 @@ def test_head_major_cache_write_matches_the_token_major_one(cache_dtype):
     k_cache, v_cache, key, value, slots = _write_inputs(5, pages, page_size, 19, cache_dtype)
     slots[[2, 9]] = -1
     slots[5] = pages * page_size + 3  # past the cache
-    scale = None if cache_dtype == jnp.bfloat16 else 0.05
-    want = ops.reshape_and_cache_flash(key, value, k_cache, v_cache, jnp.asarray(slots), scale, scale)
+    scales = (None, None) if cache_dtype == jnp.bfloat16 else (0.05, 0.11)
+    want = ops.reshape_and_cache_flash(key, value, k_cache, v_cache, jnp.asarray(slots), *scales)
     got = ops.reshape_and_cache_flash(key, value, _head_major(k_cache), _head_major(v_cache), jnp.asarray(slots),
-                                      scale, scale, cache_layout="head_major")
+                                      *scales, cache_layout="head_major")
     for g, w in zip(got, want):
         assert g.dtype == cache_dtype and g.shape == _head_major(w).shape
         np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(_head_major(w).astype(jnp.float32)))
@@ -339,28 +408,31 @@ def test_head_major_cache_write_matches_the_token_major_one(cache_dtype):
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8], ids=["bf16", "fp8", "int8"])
 def test_cache_write_puts_each_token_at_its_slot(cache_dtype):
     """New tokens land at their slots (shuffled over pages, rows anywhere in a page), -1
-    slots are skipped, every other slot keeps its value; quantized caches store value / scale
-    rounded (int8: to the nearest integer, saturated)."""
+    slots are skipped, every other slot keeps its value, and key's rows past slot_mapping's 21
+    (a caller's padding) are never written; quantized caches store key / k_scale and
+    value / v_scale (distinct, so that a swap shows) rounded (int8: to the nearest integer,
+    saturated)."""
     hkv, d = WRITE_HEADS, WRITE_DIM
-    k_cache, v_cache, key, value, slots = _write_inputs(3, 6, 16, 21, cache_dtype)
+    k_cache, v_cache, key, value, slots = _write_inputs(3, 6, 16, 24, cache_dtype)
+    slots = slots[:21]
     slots[[4, 11]] = -1
-    scale = None if cache_dtype == jnp.bfloat16 else 0.05
-    k_new, v_new = ops.reshape_and_cache_flash(key, value, k_cache, v_cache, jnp.asarray(slots), scale, scale)
-    quantize = lambda x, cache: ops.quantize(x, cache.dtype, scale)
-    k_want, v_want = reference.reshape_and_cache(key, value, k_cache, v_cache, slots, quantize)
+    k_scale, v_scale = (None, None) if cache_dtype == jnp.bfloat16 else (0.05, 0.11)
+    k_new, v_new = ops.reshape_and_cache_flash(key, value, k_cache, v_cache, jnp.asarray(slots), k_scale, v_scale)
+    k_want, v_want = reference.reshape_and_cache(key, value, k_cache, v_cache, slots, ops.quantize, k_scale, v_scale)
     for got, want in ((k_new, k_want), (v_new, v_want)):
         assert got.dtype == cache_dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-    # The stored values are the inputs over the scale, to the dtype's rounding.
-    stored = k_new.reshape(-1, hkv, d)[slots[slots >= 0]].astype(jnp.float32) * (scale or 1.0)
-    expected = key[slots >= 0]
-    if cache_dtype == jnp.int8:
-        expected = jnp.clip(expected, -128 * scale, 127 * scale)
-        assert _max_error(stored, expected) <= scale / 2 + 1e-6
-    else:
-        # Half an ulp: 7 and 3 mantissa bits; fp8's subnormals are 2^-9 apart.
-        relative, absolute = (2**-8, 0.0) if cache_dtype == jnp.bfloat16 else (2**-4, 2**-10 * scale)
-        assert bool(jnp.all(jnp.abs(stored - expected) <= relative * jnp.abs(expected) + absolute))
+    # The stored values are the inputs over their scale, to the dtype's rounding.
+    for cache, new, scale in ((k_new, key, k_scale), (v_new, value, v_scale)):
+        stored = cache.reshape(-1, hkv, d)[slots[slots >= 0]].astype(jnp.float32) * (scale or 1.0)
+        expected = new[:21][slots >= 0]
+        if cache_dtype == jnp.int8:
+            expected = jnp.clip(expected, -128 * scale, 127 * scale)
+            assert _max_error(stored, expected) <= scale / 2 + 1e-6
+        else:
+            # Half an ulp: 7 and 3 mantissa bits; fp8's subnormals are 2^-9 apart.
+            relative, absolute = (2**-8, 0.0) if cache_dtype == jnp.bfloat16 else (2**-4, 2**-10 * scale)
+            assert bool(jnp.all(jnp.abs(stored - expected) <= relative * jnp.abs(expected) + absolute))
 
 
 def test_cache_write_passes_the_tpu_interpreter():

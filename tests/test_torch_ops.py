@@ -222,6 +222,8 @@ def test_nan_routing_weight_propagates_to_its_token_only():
 
 BAD_DEVICE_VALUES = {
     "group_sizes summing past lhs's rows": dict(gs=lambda gs: gs + 20),
+    # 38 of lhs's 37 rows: within the 64 rows of its bucket, which the op sees.
+    "group_sizes summing one past lhs's rows": dict(gs=lambda gs: gs + torch.tensor([0, 0, 8], dtype=gs.dtype)),
     "a negative group size": dict(gs=lambda gs: gs - torch.tensor([0, 1, 0], dtype=gs.dtype)),
     "int64 group sizes past int32 (they would wrap into range)": dict(gs=lambda gs: gs.long() + (1 << 32)),
     "an expert id past the sentinel": dict(index=lambda i: i + 5),
