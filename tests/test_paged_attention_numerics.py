@@ -94,6 +94,29 @@ def test_quantized_cache_is_read_times_its_scale(cache_dtype):
     assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
 
 
+# Gemma 4's global layers: head_dim 512 (four 128-lane rows per key in a token-major page), two KV
+# heads, decode beside prefill, on the default blocks (the widest tuned entry's, cut to fit).
+HEAD_DIM_512 = ("gemma4_global_d512", [1, 12, 1], [30, 12, 70], 4, 2, 512, 16, None, dict(sinks=True))
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8], ids=["bf16", "fp8", "int8"])
+def test_head_dim_512(cache_dtype):
+    """bf16 q over each cache dtype against the reference over the same stored values: bf16's
+    bound (test_bf16_is_the_reference_rounded) for every dtype, the stored values entering the
+    matmuls exactly (int8 values in -127..127, distinct k and v scales)."""
+    args, options = _inputs(HEAD_DIM_512, jnp.bfloat16, cache_dtype if cache_dtype != jnp.int8 else jnp.bfloat16)
+    scales = {}
+    if cache_dtype == jnp.int8:
+        q, k, v, *rest = args
+        rng = np.random.default_rng(6)
+        k, v = (jnp.asarray(rng.integers(-127, 128, x.shape), jnp.int8) for x in (k, v))
+        args, scales = (q, k, v, *rest), dict(k_scale=0.011, v_scale=0.017)
+    out = ops.ragged_paged_attention(*args, **options, **scales)
+    expected = reference.ragged_paged_attention(*args, **options, **scales)
+    largest_v = float(jnp.max(jnp.abs(args[2].astype(jnp.float32)))) * scales.get("v_scale", 1.0)
+    assert _max_error(out, expected) <= 2**-8 * largest_v
+
+
 def test_chunks_longer_than_the_page_table_stay_in_their_sequence():
     """pages_per_block past pages_per_seq (the default blocks with short page tables): a chunk
     spans more positions than a sequence has, and must not reach the next sequence's keys

@@ -30,6 +30,8 @@ SAMPLE.append(("tpu7x", 16, 8, 256, 16, jnp.bfloat16, dict(prefill_only=True)))
 SAMPLE.append(("v5e", 64, 8, 64, 16, jnp.bfloat16, dict(prefill_only=True, sliding_window=128, sinks=True)))
 # tpu7x with head-major caches: a page's heads copied as they lie, each head's rows whole tiles.
 SAMPLE.append(("tpu7x", 32, 8, 128, 16, jnp.bfloat16, dict(cache_layout="head_major")))
+# Gemma 4's global layers: head_dim 512 (past the table's widest: its blocks cut to fit), 2 KV heads.
+SAMPLE.append(("v6e", 16, 2, 512, 16, jnp.bfloat16, {}))
 MORE = [
     ("v5e", 32, 8, 128, 16, jnp.bfloat16, dict(prefill_only=True)),
     ("v6e", 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
@@ -41,6 +43,11 @@ MORE = [
                                               sinks=True)),
     ("tpu7x", 16, 8, 256, 32, jnp.bfloat16, dict(cache_layout="head_major", prefill_only=True)),
     ("v5p", 32, 8, 128, 16, jnp.bfloat16, dict(cache_layout="head_major")),
+    ("tpu7x", 16, 2, 512, 256, jnp.bfloat16, {}),
+    ("v6e", 32, 8, 512, 16, jnp.float8_e4m3fn, dict(prefill_only=True)),
+    ("tpu7x", 16, 2, 512, 64, jnp.int8, dict(cache_layout="head_major")),
+    ("v5e", 16, 2, 512, 16, jnp.bfloat16, {}),
+    ("v5p", 16, 2, 512, 16, jnp.bfloat16, dict(prefill_only=True)),
 ]
 CASES = SAMPLE + (MORE if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 
@@ -130,6 +137,20 @@ def test_window_chunks_grow_until_the_step_list_fits_smem(only, choose):
     with pytest.raises(ValueError, match="SMEM"):
         check(dataclasses.replace(blocks, pages_per_block=blocks.pages_per_block // 2))
     assert ops.fit_step_list_to_smem(blocks, *args) == blocks  # blocks that fit stay as they are
+
+
+def test_an_untuned_wide_head_takes_a_narrower_entry_cut_to_its_vmem():
+    """Head dims past the table's (Gemma 4's 512 on a generation not tuned there) take the
+    widest narrower entry with its query rows and keys halved: the VMEM it was rated at (the
+    full entry ran out of v6e's VMEM at 32 x 8 heads with an fp8 cache, `make check-compile`)."""
+    checked = 0
+    for generation, table in tuning.TUNED.items():
+        for d, page_size, dtype in [k for k in table if k[0] == 256 and (512, *k[1:]) not in table]:
+            want = tuple(max(x // 2, page_size) for x in table[(256, page_size, dtype)])
+            assert tuning._entry(generation, 512, page_size, dtype, None) == want
+            checked += 1
+    assert checked
+    assert tuning._entry("v6e", 512, 24, "bfloat16", None) == tuple(x // 2 for x in tuning.RULE)
 
 
 @pytest.mark.parametrize("generation,key", TUNED_ENTRIES if os.environ.get("PAGED_CHECK_ALL_TUNED") == "1" else [])
