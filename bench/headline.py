@@ -161,11 +161,21 @@ def fused_moe(h: Headline, seed: int = 0):
     return (lambda x, logits, w1, w2: kernel.fused_ep_moe(mesh, x, w1, w2, logits, h.top_k, act_fn=act)), args
 
 
+def traced_for_target(fn):
+    """fn traced with the generation's device as jax's default, as `tpu_compile.compile_for`
+    traces it (the kernels' weight operands follow its layouts: `ops.stored_order`); the walk
+    then runs the routing on the CPU."""
+    def traced(*args):
+        with jax.default_device(tpu_compile.device_for(GENERATION)):
+            return fn(*args)
+    return traced
+
+
 def model_program(fn, args, walk: bool = True) -> dict:
     """Compiles fn for the generation and models every op of it (its Pallas
     kernels walked, or with `walk=False` counted like XLA's ops)."""
     gen = GENERATIONS[GENERATION]
-    costs = grid_walk.kernel_costs(fn, args, gen.mxu_width) if walk else []
+    costs = grid_walk.kernel_costs(traced_for_target(fn), args, gen.mxu_width) if walk else []
     specs = [(a.shape, a.dtype) for a in args]
     report = tpu_compile.compile_for(fn, specs, GENERATION, "")
     schedules = report.schedules

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout
 
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
@@ -144,6 +145,39 @@ def walkable_group_sizes(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Arr
     return jnp.where(valid, group_sizes, 0).astype(jnp.int32), valid
 
 
+def stored_order(shape, dtype) -> tuple[int, ...] | None:
+    """The dims of an array of `shape` in the order (major to minor) a TPU holds it in HBM by
+    default, or None off-TPU (row-major). libtpu may store a dim that is a multiple of 128 minor-most
+    rather than an unaligned last dim (Gemma 4's gate_up_proj [128, 1408, 2112] is held as
+    [128, 2112, 1408]). The target is jax's default device (the AOT topology's while compiling
+    ahead of time), else the first device."""
+    device = jax.config.jax_default_device
+    if not isinstance(device, jax.Device):
+        device = jax.devices(device)[0] if isinstance(device, str) else jax.devices()[0]
+    if device.platform != "tpu":
+        return None
+    try:
+        layout = device.client.get_default_layout(jnp.dtype(dtype), tuple(shape), device)
+    except jax.errors.JaxRuntimeError:  # a client that does not say: take row-major
+        return None
+    return tuple(Layout.from_pjrt_layout(layout).major_to_minor)
+
+
+def as_stored(rhs, transpose_rhs: bool, order=None):
+    """(rhs, transpose_rhs) viewed in the order the weights are stored (`stored_order`, or `order`).
+
+    A Pallas kernel takes its operands row-major, so weights [G, A, B] held as [G, B, A] reach it
+    through a copy of the whole tensor on every call. Viewed swapped (transpose_rhs flipped, the
+    same product) they are row-major as held: XLA makes the swap a bitcast, and the gradient
+    flows back through it. Weights held with the group dim not major (libtpu stores Gemma 4's
+    down_proj [128, 2112, 704] as [2112, 704, 128]) have no such view and are left as they are:
+    XLA copies them."""
+    order = stored_order(rhs.shape, rhs.dtype) if order is None else tuple(order)
+    if order == (0, 2, 1):
+        return jnp.swapaxes(rhs, 1, 2), not transpose_rhs
+    return rhs, transpose_rhs
+
+
 def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, interpret=None):
     """Grouped matmul with `jax.lax.ragged_dot` semantics.
 
@@ -167,6 +201,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, i
     # The report is the kernel's own fill: a select over the output after the kernel changes how
     # libtpu compiles the kernel itself (in the bench its 4 predicated regions became 1), and one
     # over lhs before it is a pass over lhs (at prefill, 15% of the kernel's modeled time).
+    rhs, transpose_rhs = as_stored(rhs, transpose_rhs)
     return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), transpose_rhs, generation, interpret)
 
 
@@ -245,7 +280,8 @@ def experts_forward(
     def project(inputs, weights, bias):
         # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
         # are in no group and stay exactly zero.
-        return _ragged_dot(inputs, weights, group_sizes, bias, None, not transposed, generation, interpret).astype(jnp.float32)
+        weights, transpose_rhs = as_stored(weights, not transposed)
+        return _ragged_dot(inputs, weights, group_sizes, bias, None, transpose_rhs, generation, interpret).astype(jnp.float32)
 
     h = project(x, up_proj, up_bias)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)

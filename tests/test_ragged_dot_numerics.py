@@ -270,3 +270,63 @@ def test_bf16_gradients_within_bf16_rounding():
     for g, (lo, hi) in enumerate(zip(np.cumsum([0] + BF16_SIZES[:-1]), np.cumsum(BF16_SIZES))):
         exact, magnitude = c64[lo:hi].T @ l64[lo:hi], np.abs(c64[lo:hi]).T @ np.abs(l64[lo:hi])
         _assert_within_bf16_rounding(grad_rhs[g], exact, magnitude, hi - lo)
+
+
+# ---- Weights at sizes that are not multiples of 128, viewed in the order a TPU stores them.
+# Gemma 4's experts (hidden 2112, intermediate 704) scaled down with the same property: K and N
+# not multiples of 128 (so every K and N block has a masked or clipped edge), one of them a
+# multiple of 8 only (88 = 704 / 8), the other of 16 (176 = 2112 / 12).
+UNALIGNED = [(200, 88), (176, 264)]
+UNALIGNED_SIZES = [30, 0, 17, 50]  # 3 rows past the last group
+
+
+@pytest.mark.parametrize("stored", ["row-major", "swapped"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("k,n", UNALIGNED, ids=lambda d: str(d))
+def test_unaligned_weights_forward_and_gradients(k, n, transpose_rhs, dtype, stored, monkeypatch):
+    """ops.ragged_dot at unaligned K and N, forward and both gradients, with the weights held
+    row-major or swapped (as libtpu holds Gemma 4's gate_up_proj: the kernel then reads them
+    with transpose_rhs flipped through a swapaxes, and the weights' gradient comes back through
+    it in the weights' own shape). fp32: within TOLERANCE of the fp32 reference. bf16: each
+    element within the bf16 rounding bound against float64 (see _assert_within_bf16_rounding)."""
+    monkeypatch.setattr(ops, "stored_order", lambda shape, dtype: (0, 2, 1) if stored == "swapped" else None)
+    m = 100
+    lhs, rhs, gs = _inputs(m, k, n, UNALIGNED_SIZES, dtype, transpose_rhs, seed=11)
+    cot = jnp.asarray(np.random.default_rng(12).standard_normal((m, n)), dtype)
+    out, vjp = jax.vjp(lambda a, b: ops.ragged_dot(a, b, gs, transpose_rhs=transpose_rhs, generation="v6e"), lhs, rhs)
+    grad_lhs, grad_rhs = vjp(cot)
+    assert out.shape == (m, n) and grad_lhs.shape == lhs.shape and grad_rhs.shape == rhs.shape
+    assert out.dtype == grad_lhs.dtype == grad_rhs.dtype == dtype
+    total = sum(UNALIGNED_SIZES)
+    assert not np.any(np.asarray(out[total:], np.float32)), "rows past sum(group_sizes) must be zero"
+    if dtype == jnp.float32:
+        ref = lambda a, b: reference.ragged_dot(a, b, gs, transpose_rhs=transpose_rhs)
+        want, ref_vjp = jax.vjp(ref, lhs, rhs)
+        for got, exp in zip((out, grad_lhs, grad_rhs), (want, *ref_vjp(cot))):
+            _assert_close(got, exp, dtype)
+        return
+    w = np.asarray(rhs.astype(jnp.float32), np.float64)
+    w_kn = w.swapaxes(1, 2) if transpose_rhs else w  # [G, K, N]
+    exact, magnitude = _exact_grouped(lhs.astype(jnp.float32), w_kn, UNALIGNED_SIZES)
+    _assert_within_bf16_rounding(out, exact, magnitude, k)
+    exact, magnitude = _exact_grouped(cot.astype(jnp.float32), w_kn.swapaxes(1, 2), UNALIGNED_SIZES)
+    _assert_within_bf16_rounding(grad_lhs[:total], exact[:total], magnitude[:total], n)
+    assert not np.any(np.asarray(grad_lhs[total:], np.float32)), "rows past the groups get no gradient"
+    c64, l64 = np.asarray(cot.astype(jnp.float32), np.float64), np.asarray(lhs.astype(jnp.float32), np.float64)
+    for g, (lo, hi) in enumerate(zip(np.cumsum([0] + UNALIGNED_SIZES[:-1]), np.cumsum(UNALIGNED_SIZES))):
+        exact, magnitude = l64[lo:hi].T @ c64[lo:hi], np.abs(l64[lo:hi]).T @ np.abs(c64[lo:hi])  # [K, N]
+        if transpose_rhs:
+            exact, magnitude = exact.T, magnitude.T
+        _assert_within_bf16_rounding(grad_rhs[g], exact, magnitude, max(hi - lo, 1))
+
+
+def test_weights_viewed_in_stored_order():
+    """Only weights held with their last two dims swapped are viewed swapped (transpose_rhs
+    flipped); row-major ones, and ones whose group dim is not major (no per-group view
+    exists), are passed as they are."""
+    w = jnp.zeros((4, 200, 88))
+    for order, want_shape, want_transpose in [((0, 2, 1), (4, 88, 200), False), ((0, 1, 2), (4, 200, 88), True),
+                                              ((1, 2, 0), (4, 200, 88), True), (None, (4, 200, 88), True)]:
+        viewed, transpose = ops.as_stored(w, True, order)
+        assert (viewed.shape, transpose) == (want_shape, want_transpose), order

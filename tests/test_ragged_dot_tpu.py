@@ -179,3 +179,58 @@ def test_odd_shapes_forward_and_backward_compile(generation, tokens):
     specs = _experts_specs(tokens, **ODD, gpt_oss_layout=True)
     grads = jax.grad(loss, argnums=(0, 3, 4, 5, 6))
     _assert_training_kernels_fit(tpu_compile.compile_for(grads, specs, generation, "ragged_dot_tpu"), generation)
+
+
+# Gemma 4 26B-A4B's experts: hidden 2112 and intermediate 704, neither a multiple of 128.
+GEMMA4_26B = dict(hidden=2112, intermediate=704, experts=128, top_k=8)
+
+
+def _ops_reading(report, shape):
+    """The compiled ops other than our kernels that read or write an array of `shape`'s
+    elements in any order (a copy into another layout, a transpose, a pad's input)."""
+    dims = sorted(shape)
+    return sorted(op for op, s in report.other_ops.items()
+                  if any(sorted(int(d) for d in o.split("[")[1].rstrip("]").split(",") if d) == dims
+                         for o in s.operand_shapes if o.startswith("bf16[")))
+
+
+GEMMA4_WEIGHTS = {"gate_up_proj": 3, "down_proj": 4}  # argument index in _experts_specs
+
+
+@pytest.mark.parametrize("weight", [
+    "gate_up_proj",
+    # libtpu holds down_proj [128, 2112, 704] as [2112, 704, 128] (experts minor-most): no view
+    # of it is one expert's weights row-major, so XLA copies it before the kernel.
+    pytest.param("down_proj", marks=pytest.mark.xfail(strict=True, reason="experts minor-most in libtpu's layout")),
+])
+def test_gemma4_weights_are_not_copied(weight):
+    """Gemma 4's experts forward at decode on v6e, each weight in the layout libtpu gives an
+    array of its shape (gate_up_proj [128, 1408, 2112] is held as [128, 2112, 1408]): no compiled
+    op but our kernels reads the weight, so nothing copies, relayouts or pads it per call."""
+    specs = _experts_specs(64, **GEMMA4_26B)
+    forward = lambda *args: ops.experts_forward(*args, activation="gelu_tanh", generation="v6e", interpret=False)
+    report = tpu_compile.compile_for(forward, specs, "v6e", "ragged_dot_tpu")
+    assert len(report.kernels) == 2, report.kernels
+    shape = specs[GEMMA4_WEIGHTS[weight]][0]
+    assert not _ops_reading(report, shape), (weight, _ops_reading(report, shape))
+
+
+def test_gemma4_training_step_copies_no_weight():
+    """The training step at Gemma 4's shapes on v6e, with down_proj held experts-major (as a JAX
+    user can hold it: `Format(Layout((0, 1, 2)))`, and its gradient asked in that layout too;
+    gate_up_proj and its gradient in libtpu's own layout): no op but our kernels reads or writes
+    either weight or its gradient."""
+    specs = _experts_specs(64, **GEMMA4_26B)
+    down_shape, down_dtype = specs[4]
+    specs[4] = (down_shape, down_dtype, (0, 1, 2))
+
+    def loss(hidden, index, weights, gate_up, down):
+        out = ops.experts_forward(hidden, index, weights, gate_up, down, activation="gelu_tanh", generation="v6e",
+                                  interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    grads = jax.grad(loss, argnums=(0, 3, 4))
+    report = tpu_compile.compile_for(grads, specs, "v6e", "ragged_dot_tpu", out_layouts=(None, None, (0, 1, 2)))
+    _assert_training_kernels_fit(report, "v6e")
+    for weight, index in GEMMA4_WEIGHTS.items():
+        assert not _ops_reading(report, specs[index][0]), (weight, _ops_reading(report, specs[index][0]))
