@@ -252,13 +252,16 @@ How to read it:
   weights, 8x the bytes.
 - XLA ops with a dynamic loop (XLA's own ragged_dot loops over groups) are counted once per loop, so their
   rows are lower bounds: calibration.md shows XLA's ragged_dot modeled at 0.2-0.3x its measured time.
-- Gemma 4's hidden size 2112 is not a multiple of 128: XLA copies both weight tensors into another layout
-  before our kernels on every call (most of the difference from Qwen3) and before each expert's slice
-  in the loop. Feeding the kernels the weights' own layout is ragged-dot v2 work.
-- Gemma 4's shapes are not in our tuning table, so the block rule picks: 512-row tiles with blocks spanning
-  the whole 2112- and 704-wide dims. libtpu lays such a step out as one region, which the schedule reader
-  cannot cut into the kernel's skippable passes, so our row counts every pass as running: an upper bound
-  (2195 us with the previous rule's smaller tiles, whose regions were read).
+- Gemma 4's hidden 2112 and intermediate 704 are not multiples of 128, so libtpu holds its weights in
+  other layouts: gate_up_proj [128, 1408, 2112] as [128, 2112, 1408], which our kernels read as held (a
+  swapped view, no copy), and down_proj [128, 2112, 704] as [2112, 704, 128], experts minor-most, which no
+  per-expert kernel can read as held: XLA copies it before our kernels on every call (464 us of our row,
+  most of the difference from Qwen3; held experts-major, as a JAX user can hold it, it is not copied). With
+  16 experts per chip (the expert-parallel row) libtpu holds both weights swapped, and neither is copied.
+  XLA copies both before each expert's slice in the loop.
+- Gemma 4's shapes are not in our tuning table, so the block rule picks: tiles of 512 and 256 rows with blocks
+  spanning the whole 2112-, 1408- and 704-wide dims. libtpu lays such a step out as one region, which the schedule reader
+  cannot cut into the kernel's skippable passes, so our row counts every pass as running: an upper bound.
 - tpu-inference's fused_moe v1 (vLLM's TPU MoE kernel) compiles under our jax 0.10.2. It issues its DMAs
   inside the kernel, with sizes and loop counts known only at run time, so its row counts its scheduled
   cycles with each such loop run once, or its operands read once at full bandwidth, whichever is longer:
