@@ -105,7 +105,7 @@ def token_ranges(cu_seqlens_q, cu_seqlens_k, num_q: int, num_k: int, causal: boo
     return jnp.where(valid, jnp.maximum(lo, 0), NO_KEY), jnp.where(valid, jnp.minimum(hi, num_k - 1), -1)
 
 
-def cu_seqlens_valid(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
+def cu_seqlens_valid(cu_seqlens: jax.Array, num_tokens: int | jax.Array) -> jax.Array:
     """() bool, on the device: starts at 0, never decreases, ends within the tokens."""
     return (cu_seqlens[0] == 0) & jnp.all(cu_seqlens[1:] >= cu_seqlens[:-1]) & (cu_seqlens[-1] <= num_tokens)
 
@@ -222,18 +222,25 @@ def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st
     return rows_as_heads(dq, groups, q.shape[0]), dk, dv, dsinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
-    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st, backward_follows=False)[0]
+def _nan_unless(valid: jax.Array, *arrays):
+    """The arrays (None passed through), NaN throughout where the offsets are not valid."""
+    return tuple(None if a is None else jnp.where(valid, a, jnp.nan) for a in arrays)
 
 
-def _attention_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st: _Static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, valid, st: _Static):
+    return _nan_unless(valid, _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st, backward_follows=False)[0])[0]
+
+
+def _attention_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, valid, st: _Static):
     out, lse = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, st, backward_follows=True)
-    return out, (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse)
+    return _nan_unless(valid, out)[0], (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, valid, out, lse)
 
 
 def _attention_bwd(st: _Static, residuals, grad_out):
-    return (*_backward(*residuals, grad_out, st), None, None)
+    *inputs, valid, out, lse = residuals
+    # NaN gradients too: jnp.where's own gradient would give invalid offsets zeros, a silent no-op step.
+    return (*_nan_unless(valid, *_backward(*inputs, out, lse, grad_out, st)), None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -262,10 +269,16 @@ def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks,
                    blocks, bool(causal), int(left), int(right), parts, fused, split, interpret)
 
 
-def _offsets_valid(q, k, cu_seqlens_q, cu_seqlens_k):
+def _offsets_valid(q, k, cu_seqlens_q, cu_seqlens_k, num_tokens):
     """Invalid cu_seqlens cannot make a kernel read out of bounds (see token_ranges); they make the
-    results NaN, a report that needs no device-to-host round trip."""
-    return cu_seqlens_valid(cu_seqlens_q, q.shape[0]) & cu_seqlens_valid(cu_seqlens_k, k.shape[0])
+    results NaN, a report that needs no device-to-host round trip. They are judged against the
+    tokens given: num_tokens [2] (q's, k's) where the arrays end in a bucketing caller's padding rows
+    (a value, not a shape: no recompile per count), else the arrays' rows."""
+    tokens_q, tokens_k = q.shape[0], k.shape[0]
+    if num_tokens is not None:
+        num_tokens = num_tokens.astype(jnp.int32)
+        tokens_q, tokens_k = jnp.minimum(num_tokens[0], tokens_q), jnp.minimum(num_tokens[1], tokens_k)
+    return cu_seqlens_valid(cu_seqlens_q, tokens_q) & cu_seqlens_valid(cu_seqlens_k, tokens_k)
 
 
 def flash_attention_varlen(
@@ -280,6 +293,7 @@ def flash_attention_varlen(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: jax.Array | None = None,
+    num_tokens: jax.Array | None = None,
     blocks: BlockSizes | None = None,
     generation: str | None = None,
     interpret=None,
@@ -289,39 +303,41 @@ def flash_attention_varlen(
     q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] with Hq a multiple of
     Hkv; cu_seqlens_q, cu_seqlens_k [S + 1] int32, starting at 0,
     non-decreasing, ending at most at the token count (invalid ones make
-    the output NaN); tokens past cu_seqlens_q[-1] get zeros, keys past
-    cu_seqlens_k[-1] are never seen. sinks [Hq] or None. Returns
-    [Tq, Hq, Dv] in q's dtype. Differentiable in q, k, v and sinks.
+    the output and every gradient NaN); tokens past cu_seqlens_q[-1] get
+    zeros, keys past cu_seqlens_k[-1] are never seen. sinks [Hq] or None
+    (any float dtype; f32 keeps them exact). num_tokens [2] int32 or None:
+    for a caller that pads q and k with rows to bucketed shapes, the tokens
+    of q and of k before the padding, the counts cu_seqlens must stay
+    within. Returns [Tq, Hq, Dv] in q's dtype. Differentiable in q, k, v
+    and sinks.
     """
     if q.shape[0] == 0:
         return jnp.zeros((0, q.shape[1], v.shape[2]), q.dtype)
     st = _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret)
     cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
-    out = _attention(q, k, v, sinks, cu_q, cu_k, st)
-    return jnp.where(_offsets_valid(q, k, cu_q, cu_k), out, jnp.nan)
+    return _attention(q, k, v, sinks, cu_q, cu_k, _offsets_valid(q, k, cu_q, cu_k, num_tokens), st)
 
 
 def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False,
-                                   window_size=(-1, -1), softcap=0.0, sinks=None, blocks=None, generation=None,
-                                   interpret=None):
+                                   window_size=(-1, -1), softcap=0.0, sinks=None, num_tokens=None, blocks=None,
+                                   generation=None, interpret=None):
     """flash_attention_varlen's output and what its backward needs, the
     softmax's log-sum-exp per row (f32): (out, lse). For callers that keep
     residuals themselves (the torch op)."""
     st = _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret)
     cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
     out, lse = _forward(q, k, v, sinks, cu_q, cu_k, st, backward_follows=False)  # the torch op runs its backward apart
-    return jnp.where(_offsets_valid(q, k, cu_q, cu_k), out, jnp.nan), lse
+    return _nan_unless(_offsets_valid(q, k, cu_q, cu_k, num_tokens), out)[0], lse
 
 
 def flash_attention_varlen_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, *, softmax_scale=None,
-                                    causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, blocks=None,
-                                    generation=None, interpret=None):
+                                    causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, num_tokens=None,
+                                    blocks=None, generation=None, interpret=None):
     """(dq, dk, dv, dsinks or None) from flash_attention_varlen_forward's (out, lse), without running the forward."""
     st = _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks, generation, interpret)
     cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
     grads = _backward(q, k, v, sinks, cu_q, cu_k, out, lse, grad_out, st)
-    valid = _offsets_valid(q, k, cu_q, cu_k)
-    return tuple(None if g is None else jnp.where(valid, g, jnp.nan) for g in grads)
+    return _nan_unless(_offsets_valid(q, k, cu_q, cu_k, num_tokens), *grads)
 
 
 def flash_attention(q, k, v, **options) -> jax.Array:

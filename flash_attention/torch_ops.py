@@ -24,6 +24,7 @@ def _attention_jax(
     v: jax.Array,
     cu_seqlens_q: jax.Array,
     cu_seqlens_k: jax.Array,
+    num_tokens: jax.Array,
     sinks: jax.Array,
     softmax_scale: float,
     causal: bool,
@@ -35,21 +36,24 @@ def _attention_jax(
     interpret,
     generation,
 ) -> tuple[jax.Array, jax.Array]:
-    """(out, lse): the output, and the softmax statistics the backward reuses."""
+    """(out, lse): the output, and the softmax statistics the backward reuses. num_tokens [2]
+    int32: the tokens of q and of k the caller gave, before the bucket's padding rows (what
+    cu_seqlens are checked against)."""
     return ops.flash_attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, sinks=sinks if has_sinks else None,
-        generation=generation, interpret=interpret,
+        num_tokens=num_tokens, generation=generation, interpret=interpret,
     )
 
 
-def _attention_backward_jax(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, window_left,
-                            window_right, softcap, has_sinks, out, lse, grad_out, grad_lse, *, interpret, generation):
+def _attention_backward_jax(q, k, v, cu_seqlens_q, cu_seqlens_k, num_tokens, sinks, softmax_scale, causal,
+                            window_left, window_right, softcap, has_sinks, out, lse, grad_out, grad_lse, *,
+                            interpret, generation):
     """(dq, dk, dv, dsinks) from the forward's (out, lse): the forward does not run again."""
     dq, dk, dv, dsinks = ops.flash_attention_varlen_backward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, sinks=sinks if has_sinks else None,
-        generation=generation, interpret=interpret,
+        num_tokens=num_tokens, generation=generation, interpret=interpret,
     )
     return dq, dk, dv, dsinks if has_sinks else jnp.zeros_like(sinks)
 
@@ -109,7 +113,7 @@ def _check_cu_seqlens(name, cu, num_tokens, device, max_seqlen):
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, q on {device}")
     # Values are checked here only where reading them costs no device round trip; on a TPU an
-    # invalid cu_seqlens makes the output NaN instead (ops.cu_seqlens_valid).
+    # invalid cu_seqlens makes the output and the gradients NaN instead (ops.cu_seqlens_valid).
     if not values_on_host(cu):
         return
     if int(cu[0]) != 0:
@@ -155,11 +159,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     # Token and sequence counts padded to powers of two: a generate loop or a serving run
     # compiles a bounded set of shapes. Padding queries cost no matmul, padding keys are never read.
     num_q, num_k, num_offsets = bucket_size(tokens), bucket_size(k.shape[0]), bucket_size(cu_seqlens_q.shape[0])
-    sinks = s_aux.to(q.dtype) if s_aux is not None else q.new_empty(0)
+    # The token counts given, so that the device checks cu_seqlens against them and not against the
+    # padded buckets (offsets reaching into the padding would attend zero keys, or read a padding
+    # query): one shape whatever the counts (no recompile), and filled on the device, so nothing
+    # crosses between host and device.
+    num_tokens = torch.full((2,), tokens, dtype=torch.int32, device=q.device)
+    num_tokens[1] = k.shape[0]
+    # Sinks stay in f32 whatever q's dtype: rounded to bf16, a sink s is off by up to 2^-8 |s|, which
+    # scales its weight in the softmax by up to exp(2^-8 |s|). Autograd returns their gradient in s_aux's dtype.
+    sinks = s_aux.to(torch.float32) if s_aux is not None else q.new_empty(0, dtype=torch.float32)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     out, _ = attention_op(pad_rows(q, num_q), pad_rows(k, num_k), pad_rows(v, num_k),
-                       pad_offsets(cu_seqlens_q, num_offsets), pad_offsets(cu_seqlens_k, num_offsets), sinks,
-                       scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+                       pad_offsets(cu_seqlens_q, num_offsets), pad_offsets(cu_seqlens_k, num_offsets), num_tokens,
+                       sinks, scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
                        s_aux is not None)
     return out[:tokens] if num_q != tokens else out
 

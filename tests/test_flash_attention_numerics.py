@@ -136,6 +136,33 @@ def test_diagonal_slices_match_the_reference(monkeypatch):
     jax.clear_caches()
 
 
+def _diagonal_sweep(block_q: int, block_k: int):
+    """(query lengths, key lengths): a sequence of block_q queries over block_q + d keys for every d
+    in 0..block_k, each in a query block of its own and starting at a key block (sequences with no
+    query take up the keys between), so that a query block's first row sees up to every key of a
+    key block in turn: its last, the one before, and so on."""
+    lens_q, lens_k = [], []
+    for d in range(block_k + 1):
+        keys = block_q + d
+        lens_q += [block_q, 0]
+        lens_k += [keys, -keys % block_k]
+    return lens_q, lens_k
+
+
+def test_every_diagonal_offset_matches_the_reference():
+    """Whether a key block is seen whole (no mask), on a diagonal (the rows' ends compared) or
+    partly (both ends compared) hinges on where the rows' key ranges end and start against the
+    block's keys: an off-by-one there shows at one offset only (at 16 x 128 blocks, 16 queries over
+    142 keys: a block's first row sees up to the second-to-last key of a key block). Causal, a
+    window to the left, a window on both sides; in one test, since the reference's compiles (one
+    per sequence) dominate its time and the three share them."""
+    # Key blocks of 16, not a TPU's 128: the same comparisons at every offset, for 1/8 the sequences.
+    blocks = BlockSizes(block_q=16, block_k=16)
+    lens_q, lens_k = _diagonal_sweep(blocks.block_q, blocks.block_k)
+    for options in (dict(causal=True), dict(causal=True, window_size=(5, -1)), dict(window_size=(7, 3))):
+        _check_fp32(("diagonal_sweep", lens_q, lens_k, 2, 1, 64, 64, options), blocks=blocks)
+
+
 def _check_fp32(case, blocks=SMALL, **call):
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
     out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=blocks, **options, **call)
@@ -202,6 +229,70 @@ def test_bf16_accumulators_are_f32():
     (dv,) = pullback(do)
     exact_dv = (16 * 8.0 + 48 * float(jnp.bfloat16(0.02))) / tk
     assert _max_error(dv, jnp.full(dv.shape, exact_dv)) <= 2**-8 * exact_dv
+
+
+def _bf16_gradients(q, k, v, do):
+    """(out, dq, dk, dv) of one non-causal sequence at SMALL blocks, for the given output gradient."""
+    cu_q, cu_k = jnp.asarray([0, q.shape[0]], jnp.int32), jnp.asarray([0, k.shape[0]], jnp.int32)
+    out, pullback = jax.vjp(lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=SMALL), q, k, v)
+    return (out, *pullback(do))
+
+
+def _rows(tokens, row):
+    """[tokens, 1, D] bf16, every token the given row (exact in bf16)."""
+    return jnp.broadcast_to(jnp.asarray(row, jnp.bfloat16), (tokens, 1, len(row)))
+
+
+def test_bf16_backward_cancels_the_d_term_in_f32():
+    """dS = P (dO.v - D) with D = rowsum(dO * O): with every v row u, O is u exactly (q = k = 1:
+    every probability 1/n, u's exact multiples summed) and dO.v_j = D for every key, so dq and dk
+    are 0. The kernels form dO.v and D from the same bf16 values in f32: they cancel to f32's
+    rounding, far below the bound, 2^-16 of the terms that cancel (scale * D, with |k| = |q| = 1
+    and as many queries as keys). D = 1 + 5 * 2^-10 rounds to bf16 by 0.75 * 2^-8 of itself: a
+    D held in bf16 leaves 2^-8.4 of those terms in dq and dk."""
+    tokens, d = 256, 128  # 16 query blocks, 2 key blocks
+    u, w = np.zeros(d), np.zeros(d)
+    u[:2], w[:2] = (1.0, 5 * 2**-10), (1.0, 1.0)
+    d_term = float(np.dot(u, w))
+    assert abs(float(jnp.bfloat16(d_term)) - d_term) >= 2**-9 * d_term  # the bf16 rounding a test must see
+    ones = jnp.ones((tokens, 1, d), jnp.bfloat16)
+    out, dq, dk, _ = _bf16_gradients(ones, ones, _rows(tokens, u), _rows(tokens, w))
+    assert bool(jnp.all(out == _rows(tokens, u))), "O must be exact for D to be"
+    bound = 2**-16 * d ** -0.5 * d_term
+    assert _max_error(dq, jnp.zeros_like(dq)) <= bound
+    assert _max_error(dk, jnp.zeros_like(dk)) <= bound
+
+
+@pytest.mark.parametrize("dq_kernel", ["fused", "separate"])
+def test_bf16_gradients_accumulate_in_f32(dq_kernel, monkeypatch):
+    """As test_bf16_accumulators_are_f32 for dv, for dk across query blocks and dq across key
+    blocks. Every score is 0 (q = 0 for dq, k = 0 for dk), so every probability is 1/n; v_j = +-e0
+    alternating makes O = 0 and D = 0, so dS_ij = +-(dO_i . e0) / n, exact in bf16. dk_j = scale
+    * sum_i dS_ij q_i: the first query block's dO is 8 e0, the seven others' 0.02 e0, so each
+    later block adds 0.25% of the first's sum, under half a bf16 ulp of it (2^-8 relative): a bf16
+    accumulator keeps the first block's sum alone, 1.7% short. dq_i = scale * sum_j dS_ij k_j, with
+    k_j = +-8 in the first key block, +-0.02 in the seven others, alike. Each result is rounded to
+    bf16 once: within 2^-8 relative."""
+    if dq_kernel == "separate":
+        monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
+    blocks, d, small = 8, 128, float(jnp.bfloat16(0.02))
+    e0 = np.eye(d)[0]
+    signs = lambda n: np.where(np.arange(n) % 2, -1.0, 1.0)[:, None, None]  # +1, -1, ... per token
+    first_block_large = lambda n, block: np.where(np.arange(n)[:, None, None] < block, 8.0, small)
+    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)
+    error = lambda got, exact: np.max(np.abs(np.asarray(got, np.float32) - exact) / np.abs(exact))
+
+    tq, tk = blocks * SMALL.block_q, SMALL.block_k
+    _, _, dk, _ = _bf16_gradients(bf16(np.ones((tq, 1, d))), bf16(np.zeros((tk, 1, d))), bf16(signs(tk) * e0),
+                                  bf16(first_block_large(tq, SMALL.block_q) * e0))
+    exact_dk = d ** -0.5 / tk * (SMALL.block_q * 8.0 + (tq - SMALL.block_q) * small) * signs(tk) * np.ones(d)
+    assert error(dk, exact_dk) <= 2**-8, "dk"
+
+    tq, tk = SMALL.block_q, blocks * SMALL.block_k
+    k = bf16(first_block_large(tk, SMALL.block_k) * signs(tk) * np.ones(d))
+    _, dq, _, _ = _bf16_gradients(bf16(np.zeros((tq, 1, d))), k, bf16(signs(tk) * e0), _rows(tq, e0))
+    exact_dq = d ** -0.5 / tk * (SMALL.block_k * 8.0 + (tk - SMALL.block_k) * small) * np.ones((tq, 1, d))
+    assert error(dq, exact_dq) <= 2**-8, "dq"
 
 
 def test_dense_batch_is_the_packed_batch():
