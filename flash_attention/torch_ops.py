@@ -15,7 +15,7 @@ from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # Gemma 4's global layers
 
 
 def _attention_jax(

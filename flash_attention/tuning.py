@@ -132,6 +132,12 @@ def choose_blocks(num_q: int, num_k: int, head_dim: int, value_dim: int, groups:
         tuned = TUNED.get(generation, {}) if itemsize == 2 else {}
         rows, keys, *scheduled = tuned.get(table_key(num_q, head_dim, value_dim, groups), rule)
         lp_kernels = scheduled[0] if scheduled else ()
+    cut = -(-max(head_dim, value_dim) // TUNED_HEAD_DIMS[-1])
+    if cut > 1:
+        # Past the table's widest head (Gemma 4's 512): its blocks cut so that a block's query, key
+        # and value tiles and accumulators take the VMEM they were rated at (uncut, the d256 entry's
+        # forward ran out of v6e's VMEM at 8k).
+        rows, keys = rows // cut, max(keys // cut, K_ALIGN)
     align = query_align(groups)
     q_cap, k_cap = round_up(max(num_q, 1), align), round_up(max(num_k, 1), K_ALIGN)
     block_q = min(max(align, rows // groups // align * align), q_cap)

@@ -32,6 +32,8 @@ CASES = [
     # head_dim 256 with G > 1: the forward takes a KV head's query heads side by side in the
     # lanes (ops.IN_LANES_MIN_HEAD_DIM) and makes them rows in the kernel.
     ("gqa_heads_in_lanes_softcap", [37, 100], [37, 230], 4, 2, 256, 256, dict(causal=True, softcap=30.0, sinks=True)),
+    # Gemma 4's global layers: head_dim 512, G = 4 (its 26B-A4B: 16 query heads over 2 KV heads).
+    ("gemma4_global_d512", [20, 45], [20, 150], 8, 2, 512, 512, dict(causal=True)),
 ]
 
 # fp32 inputs: every product and sum in f32 (HIGHEST), so only reassociation
@@ -191,7 +193,7 @@ def _check_fp32(case, blocks=SMALL, **call):
     assert not np.any(np.asarray(ours[1][int(cu_k[-1]):])) and not np.any(np.asarray(ours[2][int(cu_k[-1]):]))
 
 
-@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", CASES[:3] + CASES[-1:], ids=lambda c: c[0])
 def test_bf16_forward_is_the_reference_rounded(case):
     """bf16 inputs are exact; without a cap, q enters scaled by softmax_scale * log2(e) and
     rounded to bf16 once (the reference is given that q); scores and statistics are f32; the

@@ -54,7 +54,7 @@ BAD = [
     (dict(v=torch.randn(40, 2, 64)), ValueError, "v must match k"),
     (dict(q=torch.randn(30, 4, 64, dtype=torch.float16)), TypeError, r"q must be one of \['float32', 'bfloat16'\]"),
     (dict(q=torch.randn(30, 4, 64, dtype=torch.bfloat16)), TypeError, "share a dtype"),
-    (dict(q=torch.randn(30, 4, 512), k=torch.randn(50, 2, 512), v=torch.randn(50, 2, 512)), ValueError, "up to 256"),
+    (dict(q=torch.randn(30, 4, 640), k=torch.randn(50, 2, 640), v=torch.randn(50, 2, 640)), ValueError, "up to 512"),
     (dict(cu_seqlens_q=torch.tensor([0, 10, 30])), TypeError, "int32"),
     (dict(cu_seqlens_q=torch.tensor([1, 10, 30], dtype=torch.int32)), ValueError, "start at 0"),
     (dict(cu_seqlens_q=torch.tensor([0, 20, 10], dtype=torch.int32)), ValueError, "decrease"),
