@@ -3,6 +3,7 @@ clear errors, one differentiable op."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -95,7 +96,8 @@ def _check_tensors(q, k, v, s_aux, rank: int):
     if hq % hkv:
         raise ValueError(f"q's {hq} heads are not a multiple of k's {hkv}")
     if max(d, v.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got {d} and {v.shape[-1]}")
+        raise ValueError(f"{_calling_layer()}head dims of any size up to {MAX_HEAD_DIM} are supported, got q and k's "
+                         f"{d} and v's {v.shape[-1]}")
     if s_aux is not None:
         if not isinstance(s_aux, torch.Tensor) or s_aux.shape != (hq,):
             raise ValueError(f"s_aux (sinks) must be a tensor of shape ({hq},), got "
@@ -103,6 +105,19 @@ def _check_tensors(q, k, v, s_aux, rank: int):
         if s_aux.dtype not in FLOAT_DTYPES + (torch.float16,):
             raise TypeError(f"s_aux must be a float tensor, got {s_aux.dtype}")
     check_same_device(q=q, k=k, v=v, s_aux=s_aux)
+
+
+def _calling_layer() -> str:
+    """'<attention class> (layer i): ' when a model's attention module is calling (transformers calls
+    the entry points from its forward), so that an error names the layer; '' for direct calls.
+    Walks the stack: for error messages only, never on a path that succeeds."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, torch.nn.Module) and hasattr(caller, "layer_idx"):
+            return f"{type(caller).__name__} (layer {caller.layer_idx}): "
+        frame = frame.f_back
+    return ""
 
 
 def _check_cu_seqlens(name, cu, num_tokens, device, max_seqlen):
