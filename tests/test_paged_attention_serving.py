@@ -4,7 +4,9 @@ each layer writing its K and V with `reshape_and_cache_flash` and attending with
 `ragged_paged_attention` over pages handed out from a free list. Requests join and finish at
 different steps; their pages go back to the free list and are reused. The greedy tokens must be
 `generate`'s for each prompt alone (sdpa, or eager where the family has no sdpa). The kernel is
-the built Hub tree, loaded with get_kernel as users load it."""
+the built Hub tree, loaded with get_kernel as users load it; so are the MoE families' experts
+(ragged-dot-tpu). Gemma 4 is served here: transformers' continuous batching cannot size its cache
+(head_dim differs per layer)."""
 
 import copy
 import dataclasses
@@ -17,12 +19,16 @@ import torch
 import transformers
 from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import build_collection
+import seed_models
 
-REPO = build_collection.load_manifest()["kernels"]["paged_attention"]["repo-id"]
+KERNELS = build_collection.load_manifest()["kernels"]
+REPO = KERNELS["paged_attention"]["repo-id"]
 ATTENTION = "paged_serving_loop"  # our loop's attention function, registered with transformers
+EXPERTS = "paged_serving_hub_experts"  # ragged-dot-tpu's experts forward, loaded with get_kernel
 BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=64, tie_word_embeddings=False)
 FAMILIES = {
     "llama": ("LlamaConfig", dict(BASE, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),  # GQA
@@ -33,7 +39,11 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(BASE, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                      layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                                      num_local_experts=4, num_experts_per_tok=2)),
+    # sliding layers at head_dim 256 and a global one at 512 with K read as V, 2 KV heads each:
+    # every layer's cache has its own shape
+    "gemma4_moe": seed_models.SEEDS["gemma4_moe"],
 }
+MOE = {"gpt_oss", "gemma4_moe"}
 PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ, PREFILL_CHUNK = 16, 12, 3, 8
 MAX_SEQS, TOKENS_PER_STEP = 4, 32  # every step is padded to this: one shape to compile, as engines do
 CALLS = []
@@ -41,11 +51,13 @@ CALLS = []
 
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory):
-    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["paged_attention"])
+    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["paged_attention", "ragged_dot"])
     build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
     from kernels import get_kernel
 
-    module = get_kernel(REPO, version=1)
+    module = get_kernel(REPO, version=KERNELS["paged_attention"]["version"])
+    experts = get_kernel(KERNELS["ragged_dot"]["repo-id"], version=KERNELS["ragged_dot"]["version"])
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS, experts.experts_forward)
     torch_ops = sys.modules[module.__name__ + ".torch_ops"]
     op = torch_ops.attention_op
 
@@ -105,11 +117,12 @@ class Request:
 
 def serve(model, kernel, requests: list[Request]) -> int:
     """Runs the requests to completion; returns the number of forward steps."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-    cache = lambda: torch.zeros(NUM_PAGES, PAGE_SIZE, config.num_key_value_heads, head_dim)
-    k_caches = [cache() for _ in range(config.num_hidden_layers)]
-    v_caches = [cache() for _ in range(config.num_hidden_layers)]
+    # Each layer's cache sized from its attention module: Gemma 4's layers differ in head_dim and heads.
+    layers = sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")),
+                    key=lambda m: m.layer_idx)
+    assert [m.layer_idx for m in layers] == list(range(model.config.num_hidden_layers))
+    shapes = [(NUM_PAGES, PAGE_SIZE, m.k_proj.out_features // m.head_dim, m.head_dim) for m in layers]
+    k_caches, v_caches = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
     free = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(0)).tolist()
     steps = 0
     while not all(r.done for r in requests):
@@ -160,6 +173,8 @@ def test_serving_loop_gives_the_tokens_of_generate(paged, family):
     config = getattr(transformers, config_class)(**kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
+    if family in MOE:
+        model.set_experts_implementation("eager")
     make = lambda n, seed: torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     # Prompts longer than a prefill chunk (chunked prefill) and than the window of 8; one joins
     # late, after the first finished and gave its pages back; contexts cross page boundaries.
@@ -172,6 +187,8 @@ def test_serving_loop_gives_the_tokens_of_generate(paged, family):
                                  pad_token_id=0, eos_token_id=None)
             expected.append(out[0, len(r.prompt):].tolist())
     model.set_attn_implementation(ATTENTION)
+    if family in MOE:
+        model.set_experts_implementation(EXPERTS)
     CALLS.clear()
     steps = serve(model, paged, requests)
     assert len(CALLS) == steps * config.num_hidden_layers, "our kernel must serve every layer at every step"
