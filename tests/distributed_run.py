@@ -1,77 +1,90 @@
-"""Run in a fresh process by test_multichip.py: a tiny Qwen3-MoE with our experts forward under
-transformers' tensor- and expert-parallel plans, in 2 processes over gloo (CPU), against the
-single-process eager logits. Prints one JSON line per plan.
+"""Run in a fresh process by test_multichip.py: a tiny seed model (kernels/seed_models.py) with our
+experts forward and flash attention, both loaded with get_kernel from the built trees, under
+transformers' tensor- and expert-parallel plans for its family, in 2 processes over gloo (CPU),
+against the single-process eager logits. Prints one JSON line per plan.
 
-usage: distributed_run.py CHECKPOINT_DIR
+usage: distributed_run.py SEED WORKDIR
 """
 
 import json
 import os
 import socket
 import sys
+from pathlib import Path
 
-os.environ.update(JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-                  PYTHONWARNINGS="ignore")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ in ("__main__", "__mp_main__"):  # run (or a spawned worker), not imported by the test for PLANS
+    os.environ.update(JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+                      PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "kernels"), str(ROOT)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-IMPL = "ragged_dot_tpu_distributed_test"
-ROUTER_PLAN = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
+import build_collection  # noqa: E402
+import seed_models  # noqa: E402
+
+KERNELS = build_collection.load_manifest()["kernels"]
+ATTENTION = KERNELS["flash_attention"]["repo-id"]
+EXPERTS = "ragged_dot_tpu_distributed_test"
 # What each plan hands the experts forward on a rank (read from transformers 5.22):
 PLANS = {
-    # every expert, gate_up_proj split by columns (gate and up halves each), down_proj by rows;
-    # each rank returns a partial sum that transformers all-reduces
+    # every expert, gate_up_proj split by columns (gate and up halves each), down_proj by rows,
+    # attention heads split; each rank returns a partial sum that transformers all-reduces
     "tensor parallel": dict(tp_size=2),
-    # half the experts per rank; ids routed to the other rank arrive as the sentinel E / 2;
-    # transformers all-reduces the outputs
-    "expert parallel, router masking": dict(tp_size=2, ep_size=2, tp_plan={}, ep_plan=ROUTER_PLAN),
-    # Qwen3-MoE's default: tokens travel to their expert's rank (all-to-all) and arrive top-1,
-    # with local ids and weight 1, in varying numbers
-    "expert parallel, all-to-all dispatch": dict(tp_size=2, ep_size=2, tp_plan={}),
+    # the family's expert-parallel plan: half the experts per rank. Qwen3-MoE's, Qwen3.5-MoE's and
+    # gpt-oss's send tokens to their expert's rank (all-to-all), arriving top-1 with local ids and
+    # weight 1 in varying numbers; Gemma 4's masks the router (ids routed to the other rank arrive as
+    # the sentinel E / 2) and all-reduces the outputs
+    "expert parallel": dict(tp_size=2, ep_size=2, tp_plan={}),
+    # router masking on a family whose default is all-to-all
+    "expert parallel, router masking": dict(tp_size=2, ep_size=2, tp_plan={}, ep_plan={
+        "model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}),
 }
+SEED_PLANS = {"qwen3_moe": list(PLANS)}  # every other seed: the family's own two plans
 
 
-def config():
-    from transformers import Qwen3MoeConfig
-
-    # initializer_range 0.2 (not 0.02): logits of order 1, so a wrong expert shows in a diff.
-    return Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                          num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                          tie_word_embeddings=False, initializer_range=0.2, max_position_embeddings=64)
+def plans(seed: str) -> list[str]:
+    return SEED_PLANS.get(seed, ["tensor parallel", "expert parallel"])
 
 
-def register(calls: list):
-    import ragged_dot
+def load_kernels(calls: list):
+    """Our two kernels through get_kernel, as users load them; experts calls recorded."""
+    from kernels import get_kernel
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel
+
+    experts = get_kernel(KERNELS["ragged_dot"]["repo-id"], version=KERNELS["ragged_dot"]["version"])
 
     def counted(self, hidden_states, top_k_index, top_k_weights):
         calls.append(tuple(self.gate_up_proj.shape))
-        return ragged_dot.experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return experts.experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
-    ALL_EXPERTS_FUNCTIONS.register(IMPL, counted)
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS, counted)
+    # gpt-oss takes only the flash implementations it lists: the documented opt-in.
+    GptOssPreTrainedModel._compatible_flash_implementations = [
+        *GptOssPreTrainedModel._compatible_flash_implementations, ATTENTION]
 
 
-def worker(rank, plan, checkpoint, port, ids, result_path):
+def worker(rank, seed, plan, checkpoint, port, ids, result_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from transformers import Qwen3MoeForCausalLM
+        from transformers import AutoModelForCausalLM
         from transformers.distributed import DistributedConfig
 
         calls = []
-        register(calls)
-        model = Qwen3MoeForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(**PLANS[plan]),
-                                                    dtype=torch.float32, experts_implementation=IMPL).eval()
+        load_kernels(calls)
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, distributed_config=DistributedConfig(**PLANS[plan]), dtype=torch.float32,
+            attn_implementation=ATTENTION, experts_implementation=EXPERTS).eval()
         with torch.no_grad():
             logits = model(ids).logits
         if rank == 0:
-            torch.save({"logits": logits, "calls": calls}, result_path)
+            torch.save({"logits": logits, "calls": calls, "attention": model.config._attn_implementation}, result_path)
     finally:
         dist.destroy_process_group()
 
@@ -82,24 +95,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(checkpoint: str) -> None:
-    from transformers import Qwen3MoeForCausalLM
+def main(seed: str, workdir: str) -> None:
+    # The built trees as a Hub cache; the workers inherit the environment and load from it.
+    trees = build_collection.build_all(Path(workdir, "build"), ["ragged_dot", "flash_attention"])
+    os.environ["KERNELS_CACHE"] = str(Path(workdir, "hub"))
+    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    eager = Qwen3MoeForCausalLM._from_config(config(), dtype=torch.float32, experts_implementation="eager").eval()
+    config = seed_models.config(seed)
+    eager = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                             experts_implementation="eager").eval()
+    checkpoint = os.path.join(workdir, "checkpoint")
     eager.save_pretrained(checkpoint)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = eager(ids).logits
-    layers = config().num_hidden_layers
-    for plan in PLANS:
-        result_path = os.path.join(checkpoint, "result.pt")
-        mp.spawn(worker, args=(plan, checkpoint, free_port(), ids, result_path), nprocs=2, join=True)
+    layers = sum(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in eager.modules())
+    for plan in plans(seed):
+        result_path = os.path.join(workdir, "result.pt")
+        mp.spawn(worker, args=(seed, plan, checkpoint, free_port(), ids, result_path), nprocs=2, join=True)
         got = torch.load(result_path)
         print(json.dumps({"plan": plan, "max_abs_error": (got["logits"] - want).abs().max().item(),
-                          "scale": want.abs().max().item(), "calls": len(got["calls"]), "layers": layers,
+                          "scale": want.abs().max().item(), "attention": got["attention"], "calls": len(got["calls"]), "layers": layers,
+                          "experts": config.num_experts if hasattr(config, "num_experts") else
+                          config.num_local_experts,
                           "local_experts": sorted({shape[0] for shape in got["calls"]})}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
