@@ -245,14 +245,15 @@ def _rows(tokens, row):
     return jnp.broadcast_to(jnp.asarray(row, jnp.bfloat16), (tokens, 1, len(row)))
 
 
-def test_bf16_backward_cancels_the_d_term_in_f32():
+@pytest.mark.parametrize("d", [128, 512])
+def test_bf16_backward_cancels_the_d_term_in_f32(d):
     """dS = P (dO.v - D) with D = rowsum(dO * O): with every v row u, O is u exactly (q = k = 1:
     every probability 1/n, u's exact multiples summed) and dO.v_j = D for every key, so dq and dk
     are 0. The kernels form dO.v and D from the same bf16 values in f32: they cancel to f32's
     rounding, far below the bound, 2^-16 of the terms that cancel (scale * D, with |k| = |q| = 1
     and as many queries as keys). D = 1 + 5 * 2^-10 rounds to bf16 by 0.75 * 2^-8 of itself: a
-    D held in bf16 leaves 2^-8.4 of those terms in dq and dk."""
-    tokens, d = 256, 128  # 16 query blocks, 2 key blocks
+    D held in bf16 leaves 2^-8.4 of those terms in dq and dk. Also at Gemma 4's head_dim 512."""
+    tokens = 256  # 16 query blocks, 2 key blocks
     u, w = np.zeros(d), np.zeros(d)
     u[:2], w[:2] = (1.0, 5 * 2**-10), (1.0, 1.0)
     d_term = float(np.dot(u, w))
@@ -265,8 +266,8 @@ def test_bf16_backward_cancels_the_d_term_in_f32():
     assert _max_error(dk, jnp.zeros_like(dk)) <= bound
 
 
-@pytest.mark.parametrize("dq_kernel", ["fused", "separate"])
-def test_bf16_gradients_accumulate_in_f32(dq_kernel, monkeypatch):
+@pytest.mark.parametrize("dq_kernel,d", [("fused", 128), ("separate", 128), ("fused", 512)])
+def test_bf16_gradients_accumulate_in_f32(dq_kernel, d, monkeypatch):
     """As test_bf16_accumulators_are_f32 for dv, for dk across query blocks and dq across key
     blocks. Every score is 0 (q = 0 for dq, k = 0 for dk), so every probability is 1/n; v_j = +-e0
     alternating makes O = 0 and D = 0, so dS_ij = +-(dO_i . e0) / n, exact in bf16. dk_j = scale
@@ -274,10 +275,10 @@ def test_bf16_gradients_accumulate_in_f32(dq_kernel, monkeypatch):
     later block adds 0.25% of the first's sum, under half a bf16 ulp of it (2^-8 relative): a bf16
     accumulator keeps the first block's sum alone, 1.7% short. dq_i = scale * sum_j dS_ij k_j, with
     k_j = +-8 in the first key block, +-0.02 in the seven others, alike. Each result is rounded to
-    bf16 once: within 2^-8 relative."""
+    bf16 once: within 2^-8 relative. Also at Gemma 4's head_dim 512."""
     if dq_kernel == "separate":
         monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
-    blocks, d, small = 8, 128, float(jnp.bfloat16(0.02))
+    blocks, small = 8, float(jnp.bfloat16(0.02))
     e0 = np.eye(d)[0]
     signs = lambda n: np.where(np.arange(n) % 2, -1.0, 1.0)[:, None, None]  # +1, -1, ... per token
     first_block_large = lambda n, block: np.where(np.arange(n)[:, None, None] < block, 8.0, small)
@@ -358,14 +359,14 @@ def test_schedule_in_two_parts_balances_the_steps():
 
 
 @pytest.mark.parametrize("dq_kernel", ["fused", "fused, heads in two groups", "separate", "megacore halves",
-                                       "forward, heads in lanes"])
+                                       "forward, heads in lanes", "fused, head_dim 512"])
 def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     """The TPU interpreter (race detection, two cores, uninitialised memory as
     NaN) over the forward and backward of a packed, windowed case: GQA with dq
     accumulated by the dkv kernel and by a kernel of its own, and MQA on v5p,
     each KV head's steps in two halves, one per core; GQA whose backward runs each
-    KV head's query heads in two groups; and an inference forward at head_dim 256,
-    its query heads in lanes."""
+    KV head's query heads in two groups; an inference forward at head_dim 256,
+    its query heads in lanes; and GQA at Gemma 4's head_dim 512 (four lane rows)."""
     blocks = SMALL
     if dq_kernel == "separate":
         monkeypatch.setattr(tuning, "FUSED_DQ_FRACTION", 0.0)
@@ -375,7 +376,7 @@ def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
     # Halves: 4 query blocks and 2 key blocks, so every kernel's two parts have steps.
     hkv, lens_k, generation = (1, [20, 240], "v5p") if dq_kernel == "megacore halves" else (2, [20, 100], None)
-    head_dim = 256 if dq_kernel == "forward, heads in lanes" else 64
+    head_dim = {"forward, heads in lanes": 256, "fused, head_dim 512": 512}.get(dq_kernel, 64)
     case = ("tpu_interpreter", [20, 40], lens_k, 4, hkv, head_dim, head_dim,
             dict(causal=True, window_size=(50, 50), sinks=True))
     q, k, v, cu_q, cu_k, options = _inputs(case, jnp.float32)
@@ -383,7 +384,7 @@ def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     assert split == (2 if dq_kernel == "fused, heads in two groups" else 1)
     fn = lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=blocks, interpret=params,
                                                     generation=generation, **options)
-    if head_dim >= ops.IN_LANES_MIN_HEAD_DIM:
+    if dq_kernel.startswith("forward"):
         out, grads = fn(q, k, v), ()
     else:
         out, pullback = jax.vjp(fn, q, k, v)
