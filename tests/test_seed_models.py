@@ -55,7 +55,7 @@ def hub(tmp_path_factory):
 
     listed = GptOssPreTrainedModel._compatible_flash_implementations
     GptOssPreTrainedModel._compatible_flash_implementations = [*listed, ATTENTION]
-    yield
+    yield torch_ops
     GptOssPreTrainedModel._compatible_flash_implementations = listed
     torch_ops.attention_op = op
 
@@ -191,3 +191,21 @@ def test_a_head_dim_past_the_kernels_names_the_layer(hub):
     with torch.no_grad(), pytest.raises(ValueError, match=r"Gemma4TextAttention \(layer 2\): head dims of any size "
                                                           r"up to 512 are supported, got q and k's 640"):
         model(torch.tensor([[5, 6, 7]]))
+
+
+def test_gemma4_k_eq_v_gives_attention_two_tensors(hub, monkeypatch):
+    """Gemma 4's attention_k_eq_v projects V with K's weights, but K then takes a scaled norm and
+    RoPE and V an unscaled norm and no RoPE: at the attention call they differ (so a kernel has no
+    shared tensor to read once). Read at the op, for the global layer (head_dim 512)."""
+    ours, _ = _models("gemma4_moe")
+    assert ours.config.attention_k_eq_v
+    seen, op = [], hub.attention_op
+
+    def recording(q, k, v, *args):
+        seen.append((k.shape[-1], torch.equal(k, v)))
+        return op(q, k, v, *args)
+
+    monkeypatch.setattr(hub, "attention_op", recording)
+    with torch.no_grad():
+        ours(torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(1)))
+    assert sorted(seen) == [(256, False), (256, False), (512, False)]
