@@ -285,13 +285,50 @@ def experts_forward(
 
     h = project(x, up_proj, up_bias)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
-    y = project(act.astype(hidden_states.dtype), down_proj, down_bias)
     weight = jnp.where(routed_here, top_k_weights.reshape(-1)[order].astype(jnp.float32), 0)
-    weighted = y * weight[:, None]
-    unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
-    out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
+    if down_held_experts_minor(down_proj, num_tokens, generation):
+        out = _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, hidden_states.dtype)
+    else:
+        y = project(act.astype(hidden_states.dtype), down_proj, down_bias)
+        weighted = y * weight[:, None]
+        unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
+        out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
     ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
     return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)
+
+
+def down_held_experts_minor(down_proj, num_tokens: int, generation: str) -> bool:
+    """Whether the down projection reads down_proj as held, by `_down_as_held`: where the chip holds
+    it with the experts dim not major (libtpu holds Gemma 4's [128, 2112, 704] as [2112, 704, 128],
+    which no Pallas operand view reads without a copy of the whole tensor per call), for as many
+    tokens as keep that one matmul over every expert's weights within the time of reading them
+    (tokens <= the chip's bf16 FLOP/s over its HBM bytes/s: 560 on v6e, 240 on v5e). Past that,
+    the grouped kernel, after XLA's copy."""
+    order = stored_order(down_proj.shape, down_proj.dtype)
+    chip = GENERATIONS[generation]
+    return order is not None and order[0] != 0 and num_tokens <= chip.bf16_flops / chip.hbm_bytes_per_s
+
+
+def _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, dtype):
+    """The down projection, weighted and summed over each token's experts, as one matmul that
+    contracts the intermediate and experts dims of down_proj where they lie (XLA reads it as held,
+    no copy): the token's weighted activations scattered to their experts' positions, a [T, I, E]
+    operand zero elsewhere. Each (token, expert) term is w * act rounded to the input dtype once,
+    where the grouped path rounds act and weighs in f32: the same one rounding."""
+    num_tokens, top_k = ids.shape
+    num_experts = down_proj.shape[0]
+    rows = jnp.zeros_like(act).at[order].set(act * weight[:, None]).reshape(num_tokens, top_k, -1).astype(dtype)
+    experts = jax.nn.one_hot(ids, num_experts, dtype=dtype)  # the sentinel id E: a row of zeros
+    exact = jax.lax.Precision.HIGHEST  # f32 operands stay f32 (bf16 ones are exact at any precision)
+    # Each (token, expert) takes one slot's row times 1 (top-k ids are distinct): exact.
+    scattered = jnp.einsum("tki,tke->tie", rows, experts, precision=exact, preferred_element_type=jnp.float32)
+    scattered = scattered.astype(dtype)
+    out = jnp.einsum("tie,eih->th" if transposed else "tie,ehi->th", scattered, down_proj, precision=exact,
+                     preferred_element_type=jnp.float32)
+    if down_bias is not None:
+        routed = experts * jnp.zeros_like(weight).at[order].set(weight).reshape(num_tokens, top_k)[..., None]
+        out = out + jnp.einsum("tke,eh->th", routed, down_bias.astype(jnp.float32), precision=exact)
+    return out
 
 
 def local_expert_ids(top_k_index, num_local_experts: int, shard):

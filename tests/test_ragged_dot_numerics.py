@@ -330,3 +330,72 @@ def test_weights_viewed_in_stored_order():
                                               ((1, 2, 0), (4, 200, 88), True), (None, (4, 200, 88), True)]:
         viewed, transpose = ops.as_stored(w, True, order)
         assert (viewed.shape, transpose) == (want_shape, want_transpose), order
+
+
+# ---- The down projection read as held, experts minor-most (libtpu's layout for Gemma 4's down_proj).
+# (name, tokens, hidden, intermediate, experts, top_k, options): Gemma 4's layout scaled down with
+# its unaligned sizes, and gpt-oss's (transposed, interleaved, biases, clamp).
+HELD_CASES = [
+    ("gemma4", 13, 176, 88, 8, 2, dict(activation="gelu_tanh")),
+    ("gpt_oss", 13, 200, 88, 8, 2, dict(activation="clamped_swiglu", interleaved=True, transposed=True,
+                                        alpha=1.702, limit=7.0)),
+]
+
+
+def _held_inputs(case, dtype):
+    _, t, h, i, e, k, options = case
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    # Distinct experts per token; the last token's second slot routed to another shard (the sentinel E).
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    ids[-1, -1] = e
+    weights = jnp.asarray(rng.random((t, k)), dtype)
+    transposed = options.get("transposed", False)
+    up, down = ((normal(e, h, 2 * i), normal(e, i, h)) if transposed else (normal(e, 2 * i, h), normal(e, h, i)))
+    biases = (normal(e, 2 * i), normal(e, h)) if transposed else (None, None)
+    return (normal(t, h), jnp.asarray(ids), weights, up, down * 0.1, *biases), options
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", HELD_CASES, ids=lambda c: c[0])
+def test_down_projection_read_as_held_matches_the_grouped_path(case, dtype, monkeypatch):
+    """experts_forward with down_proj held experts minor-most (its down projection one matmul over
+    every expert's weights, `ops._down_as_held`) against the grouped kernels' path: forward and the
+    gradients of the hidden states, routing weights, weights and biases. fp32: within TOLERANCE.
+    bf16: the two share the up projection and gate bit for bit (so the clamp decides alike); in the
+    down projection each (token, expert) term rounds w * act once where the grouped path rounds act,
+    and each result is rounded to bf16: the output within 2^-7 of its largest value (a bf16 ulp at
+    the top of its binade, one rounding apart); the gradients, which carry that rounding through the
+    gate's derivative into sums over the tokens' rows, within 2^-5 (measured: 2^-6.8). A wrong
+    expert, row or weight is off by the value itself."""
+    args, options = _held_inputs(case, dtype)
+    down_shape = args[4].shape
+    forward = lambda *a: ops.experts_forward(*a, **options, generation="v6e")
+    cot = jnp.asarray(np.random.default_rng(4).standard_normal(args[0].shape), dtype)
+    grouped, grouped_vjp = jax.vjp(forward, *args)
+    monkeypatch.setattr(ops, "stored_order", lambda shape, dtype: (1, 2, 0) if shape == down_shape else None)
+    assert ops.down_held_experts_minor(args[4], args[0].shape[0], "v6e")
+    held, held_vjp = jax.vjp(forward, *args)
+    assert held.shape == grouped.shape and held.dtype == dtype
+    names = ("out", "hidden_states", "top_k_index", "top_k_weights", "up_proj", "down_proj", "up_bias", "down_bias")
+    for name, got, want in zip(names, (held, *held_vjp(cot)), (grouped, *grouped_vjp(cot))):
+        if name == "top_k_index" or got is None:
+            continue
+        got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+        scale = float(jnp.max(jnp.abs(want)))
+        bound = TOLERANCE[jnp.float32] * max(scale, 1.0) if dtype == jnp.float32 else \
+            (2**-7 if name == "out" else 2**-5) * scale
+        assert float(jnp.max(jnp.abs(got - want))) <= bound, name
+
+
+@pytest.mark.parametrize("order,tokens,generation,want", [
+    ((1, 2, 0), 64, "v6e", True), ((1, 2, 0), 559, "v6e", True), ((1, 2, 0), 561, "v6e", False),
+    ((1, 2, 0), 241, "v5e", False), ((0, 2, 1), 64, "v6e", False), (None, 64, "v6e", False)])
+def test_down_projection_read_as_held_only_while_its_matmul_fits_the_weights_read(order, tokens, generation, want,
+                                                                                    monkeypatch):
+    """One matmul over every expert's weights costs tokens x the grouped one's FLOPs: taken while
+    that stays within the time to read the weights (v6e: 918 TFLOP/s over 1.64 TB/s, 560 tokens),
+    and only for weights held experts minor-most."""
+    monkeypatch.setattr(ops, "stored_order", lambda shape, dtype: order)
+    down = jax.ShapeDtypeStruct((128, 2112, 704), jnp.bfloat16)
+    assert ops.down_held_experts_minor(down, tokens, generation) == want
