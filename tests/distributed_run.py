@@ -42,10 +42,12 @@ PLANS = {
     "expert parallel, router masking": dict(tp_size=2, ep_size=2, tp_plan={}, ep_plan={
         "model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}),
 }
-SEED_PLANS = {"qwen3_moe": list(PLANS)}  # every other seed: the family's own two plans
+SEED_PLANS = {"qwen3_moe": list(PLANS)}  # every other MoE seed: the family's own two plans
 
 
 def plans(seed: str) -> list[str]:
+    if seed not in seed_models.MOE:
+        return ["tensor parallel"]
     return SEED_PLANS.get(seed, ["tensor parallel", "expert parallel"])
 
 
@@ -118,8 +120,7 @@ def main(seed: str, workdir: str) -> None:
         got = torch.load(result_path)
         print(json.dumps({"plan": plan, "max_abs_error": (got["logits"] - want).abs().max().item(),
                           "scale": want.abs().max().item(), "attention": got["attention"], "calls": len(got["calls"]), "layers": layers,
-                          "experts": config.num_experts if hasattr(config, "num_experts") else
-                          config.num_local_experts,
+                          "experts": getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0),
                           "local_experts": sorted({shape[0] for shape in got["calls"]})}), flush=True)
 
 
