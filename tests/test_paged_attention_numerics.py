@@ -264,11 +264,14 @@ DEFAULT_CASE = ("gqa_default_blocks", [1, 1, 6, 0, 1], [70, 1, 90, 12, 33], 8, 2
 WINDOW_SKIP_CASE = ("window_skips_a_page", [1], [40], 2, 1, 64, 16, BlockSizes(8, 2), dict(sliding_window=10))
 
 
-@pytest.mark.parametrize("case", [CASES[1], DEFAULT_CASE, WINDOW_SKIP_CASE], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[1], DEFAULT_CASE, WINDOW_SKIP_CASE, "HEAD_DIM_512"],
+                         ids=lambda c: c if isinstance(c, str) else c[0])
 def test_kernel_passes_the_tpu_interpreter(case):
     """The TPU interpreter (race detection, DMA bounds, uninitialised memory as NaN) over a mixed
-    batch with a window and sinks, over the default blocks' two kernels, and over a page skipped
-    before a window: the copies of one chunk overlap the compute of the previous."""
+    batch with a window and sinks, over the default blocks' two kernels, over a page skipped
+    before a window (the copies of one chunk overlap the compute of the previous), and at Gemma
+    4's head_dim 512 on the default blocks (four lane rows per key)."""
+    case = HEAD_DIM_512 if case == "HEAD_DIM_512" else case  # defined below the cases it joins
     args, options = _inputs(case, jnp.float32)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
     out = ops.ragged_paged_attention(*args, blocks=case[7], interpret=params, **options)

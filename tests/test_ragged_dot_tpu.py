@@ -61,6 +61,31 @@ def test_tiles_several_groups_share_no_race(interpreter):
     np.testing.assert_allclose(out, want, rtol=0, atol=2**-8 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_unaligned_weights_no_race_no_out_of_bounds(interpreter, transpose_rhs):
+    """Gemma 4's unaligned sizes scaled down (K 200, N 88) under the TPU interpreter: on the default
+    blocks (whole K and N, as the rule picks for Gemma 4's sizes), forward and both gradients; and
+    on 128-wide K and N blocks, the forward with a masked K edge and a clipped N edge. No race, no
+    copy past an array, no unwritten memory (NaN here) reaching a result."""
+    rng = np.random.default_rng(5)
+    m, k, n, group_sizes = 128, 200, 88, [30, 0, 17, 50]  # 31 rows past the groups
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((4, n, k) if transpose_rhs else (4, k, n)), jnp.bfloat16)
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    fn = lambda a, b: ops.ragged_dot(a, b, gs, transpose_rhs=transpose_rhs, interpret=interpreter, generation="v6e")
+    out, pullback = jax.vjp(fn, lhs, rhs)
+    grad_lhs, grad_rhs = pullback(jnp.ones_like(out))
+    assert tpu_interpreter.races.races_found is False
+    want = np.asarray(reference.ragged_dot(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32))
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), want, rtol=0, atol=2**-8 * np.abs(want).max())
+    for grad in (grad_lhs, grad_rhs):
+        assert not np.isnan(np.asarray(grad.astype(jnp.float32))).any(), "a kernel read unwritten memory"
+    edges = kernel.grouped_matmul(lhs, rhs, gs, blocks=kernel.BlockSizes(64, 128, 128), transpose_rhs=transpose_rhs,
+                                  out_dtype=jnp.bfloat16, vmem_limit=32 << 20, interpret=interpreter)
+    assert tpu_interpreter.races.races_found is False
+    np.testing.assert_allclose(np.asarray(edges.astype(jnp.float32)), want, rtol=0, atol=2**-8 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("at_group_start", [True, False], ids=["group-start", "tiles"])
 @pytest.mark.parametrize("group_sizes", [[1, 60, 0, 50], [0, 0, 0, 0], [0, 131, 0, 0]], ids=["ragged", "empty", "one"])
 def test_weight_grad_no_race_no_out_of_bounds(interpreter, group_sizes, at_group_start):
