@@ -31,6 +31,7 @@ from ._shared.generations import GENERATIONS, current_generation, default_interp
 from ._shared.tuning import round_up
 from .kernel import BlockSizes, Options, backward, diagonal_slices, forward, parts_for
 from .tuning import check_blocks, choose_blocks, fused_dq_split, window_span
+from ._paged import ops as paged_ops
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
 
@@ -350,3 +351,103 @@ def flash_attention(q, k, v, **options) -> jax.Array:
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     out = flash_attention_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, **options)
     return out.reshape(b, sq, *out.shape[1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: attention over a KV cache through paged-attention-tpu's kernel
+# (vendored as `._paged`), flash-attn 2's semantics.
+
+
+def kvcache_sequences(kv_lens, seq_q: int, causal: bool, window_right: int):
+    """How flash-attn's batch rows become the paged kernel's sequences, on the device.
+
+    kv_lens [B] int32: each row's keys (its cache's tokens and the new ones). A row's seq_q
+    queries sit at positions kv_len - seq_q .. kv_len - 1. Causal (and any single query, which
+    sees the same keys either way): one kernel sequence per row, whose new tokens are the row's
+    last min(seq_q, kv_len) queries (the others see no key: zeros, as in flash-attn). Otherwise
+    one kernel sequence per query, its keys the prefix the query sees (all kv_len keys, or up to
+    position + window_right). Returns (per kernel sequence: row, kv_len, q_len; per query in
+    row-major order: its kernel sequence and whether it sees any key)."""
+    batch = kv_lens.shape[0]
+    i = jnp.tile(jnp.arange(seq_q, dtype=jnp.int32), batch)
+    row = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_q)
+    if causal or seq_q == 1:
+        q_lens = jnp.clip(kv_lens, 0, seq_q)
+        live = i >= seq_q - q_lens[row]
+        return jnp.arange(batch, dtype=jnp.int32), kv_lens, q_lens, row, live
+    position = i + kv_lens[row] - seq_q
+    lens = kv_lens[row] if window_right < 0 else jnp.clip(position + window_right + 1, 0, kv_lens[row])
+    live = lens > 0
+    return row, jnp.where(live, lens, 0), live.astype(jnp.int32), jnp.arange(batch * seq_q, dtype=jnp.int32), live
+
+
+def kvcache_lse(q, k_pages, kv_lens, page_table, *, seq_q: int, causal: bool, window_size, softmax_scale: float,
+                softcap: float, sinks):
+    """[B, Hq, seq_q] f32: each query's log-sum-exp of its scaled (and capped) scores, a sink
+    included: plain XLA over the row's pages (the paged kernel keeps its softmax statistics in
+    VMEM). A query that sees no key and has no sink gets +inf, as flash-attn's."""
+    pages, page_size, hkv, d = k_pages.shape
+    batch, width = page_table.shape
+    hq = q.shape[1]
+    keys = k_pages[jnp.clip(page_table, 0, pages - 1)].reshape(batch, width * page_size, hkv, d)
+    qs = q.reshape(batch, seq_q, hkv, hq // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qs, keys.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    s = s.reshape(batch, hq, seq_q, width * page_size) * softmax_scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    position = (jnp.arange(seq_q)[None, :] + kv_lens[:, None] - seq_q)[:, None, :, None]  # [B, 1, Sq, 1]
+    key = jnp.arange(width * page_size)[None, None, None, :]
+    left, right = window_size
+    seen = key < kv_lens[:, None, None, None]
+    if causal:
+        seen &= key <= position
+    elif right >= 0:
+        seen &= key <= position + right
+    if left >= 0:
+        seen &= key >= position - left
+    s = jnp.where(seen, s, -jnp.inf)
+    if sinks is not None:
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None],
+                                                 (batch, hq, seq_q, 1))], axis=-1)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+
+
+def flash_attention_with_kvcache(q, k_pages, v_pages, kv_lens, page_table, *, seq_q: int, softmax_scale=None,
+                                 causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, sinks=None,
+                                 return_lse: bool = False, generation: str | None = None, interpret=None):
+    """flash-attn's attention over a KV cache (its cache already holding the new tokens), run by
+    paged-attention-tpu's kernel over the pages where they lie.
+
+    q [B * seq_q, Hq, D]: each row's queries back to back, its last positions; k_pages, v_pages
+    [pages, page_size, Hkv, D]; kv_lens [B] int32: each row's keys; page_table [B, width] int32:
+    the pages of each row (entries past a row's keys are never read, whatever they hold).
+    window_size (left, right) as flash-attn's (-1: unbounded); causal ignores right; a
+    non-causal call with more than one query per row takes an unbounded left. Returns
+    (out [B * seq_q, Hq, D] in q's dtype, lse [B, Hq, seq_q] f32 or None). Index values are
+    checked on the device by the paged kernel's ops: inconsistent ones make the output NaN."""
+    left, right = window_size
+    if not causal and seq_q > 1 and left >= 0:
+        raise NotImplementedError(
+            f"window_size={tuple(window_size)} without causal and with {seq_q} queries per row: a bounded left "
+            "window then differs per query, which the paged kernel's one window cannot express; use causal=True, "
+            "one query per row, or left=-1")
+    hq, d = q.shape[1:]
+    scale = float(softmax_scale if softmax_scale is not None else d ** -0.5)
+    seq_rows, seq_kv, seq_q_lens, token_seq, live = kvcache_sequences(kv_lens, seq_q, causal, right)
+    # The queries that see a key first, in order (each kernel sequence's new tokens back to back),
+    # the others after every live sequence's tokens, where the kernel writes zeros.
+    live_i = live.astype(jnp.int32)
+    dest = jnp.where(live, jnp.cumsum(live_i) - live_i, jnp.sum(live_i) + jnp.cumsum(1 - live_i) - (1 - live_i))
+    packed = jnp.zeros_like(q).at[dest].set(q, unique_indices=True)
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seq_q_lens).astype(jnp.int32)])
+    sliding = left + 1 if left >= 0 and (causal or seq_q == 1) else None
+    out = paged_ops.ragged_paged_attention(
+        packed, k_pages, v_pages, seq_kv.astype(jnp.int32), page_table[seq_rows], cu_q_lens, seq_rows.shape[0],
+        softmax_scale=scale, sliding_window=sliding, softcap=softcap or None, sinks=sinks, generation=generation,
+        interpret=interpret)[dest]
+    lse = None
+    if return_lse:
+        lse = kvcache_lse(q, k_pages, kv_lens, page_table, seq_q=seq_q, causal=causal or seq_q == 1,
+                          window_size=window_size, softmax_scale=scale, softcap=softcap, sinks=sinks)
+    return out, lse

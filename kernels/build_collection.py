@@ -9,14 +9,19 @@ For each kernel in the manifest, writes build/<repo>/:
                                   exists, which torch_tpu 0.2.0 does not set
 
 The package is the kernel folder with the shared runtime vendored in as
-`_shared` and `_build.py` rewritten with an op namespace unique to the
-build's content. Also makes an offline Hub cache from the trees
+`_shared` (flash-attn-tpu also vendors paged-attention-tpu's JAX kernel as
+`_paged`, with its own `_shared`: both are symlinks in the source tree, copied
+here) and `_build.py` rewritten with an op namespace unique to the build's
+content. The staged package must be self-contained (`check_self_contained`):
+no link left, every relative import resolving inside it, no import of another
+kernel folder. Also makes an offline Hub cache from the trees
 (`make_hub_cache`), which is how tests and the demo load what users load.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import shutil
@@ -51,11 +56,40 @@ def _tree_digest(root: Path) -> str:
     return digest.hexdigest()
 
 
+def check_self_contained(package: Path, kernel_folders=()) -> None:
+    """Raises if the staged package is not self-contained: a symlink left in it, a relative
+    import that resolves outside it or to no module in it, or an absolute import of one of
+    `kernel_folders` (a sibling kernel that a Hub user does not have)."""
+    for path in sorted(package.rglob("*")):
+        if path.is_symlink():
+            raise ValueError(f"{path} is a link: the build must copy what it points to")
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        here = parts[:-1]  # the package the module is in
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                if node.level - 1 > len(here):
+                    raise ValueError(f"{path}: `from {'.' * node.level}{node.module or ''}` leaves the package")
+                base = list(here[:len(here) - (node.level - 1)])
+                names = [node.module.split(".")] if node.module else [[a.name] for a in node.names]
+                for name in names:
+                    target = package.joinpath(*base, *name)
+                    if not (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()):
+                        raise ValueError(f"{path}: `from {'.' * node.level}{node.module or ''} import ...` "
+                                         f"resolves to nothing in the package ({target})")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                for module in modules:
+                    if module.split(".")[0] in kernel_folders:
+                        raise ValueError(f"{path}: imports {module}, another kernel's folder: vendor it instead")
+
+
 def _stage_package(kernel: dict, dest: Path) -> str:
     """Copies the kernel folder (symlinks resolved, so `_shared` is vendored)
     and stamps the build's op namespace. Returns the namespace."""
     source = REPO_ROOT / kernel["folder"]
     shutil.copytree(source, dest, symlinks=False, ignore=shutil.ignore_patterns(*NOT_SHIPPED))
+    check_self_contained(dest, tuple(k["folder"] for k in load_manifest()["kernels"].values()))
     namespace = f"_{kernel['package']}_{_tree_digest(dest)[:10]}"
     (dest / "_build.py").write_text(
         "# Written by kernels/build_collection.py: this build's op namespace.\n"

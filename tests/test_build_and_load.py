@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 sys.path.insert(0, str(TESTS.parent / "kernels"))
 
 import build_collection  # noqa: E402
@@ -176,3 +177,39 @@ def test_trust_check_runs_online_and_the_readme_opt_in_passes_it(built, tmp_path
         assert loaded["max_abs_error"] < 1e-3
         hub.trusted.add(repo_id.split("/")[0])
         assert "file" in _load(tmp_path / "trusted", "ragged_dot", "--hub", hub.url)
+
+
+def test_flash_tree_vendors_the_paged_kernel(built):
+    """flash-attn-tpu's flash_attn_with_kvcache runs paged-attention-tpu's JAX kernel: the built
+    package holds a copy of it as `_paged` (with its own `_shared`), byte for byte the paged
+    folder's files, and nothing in the package imports outside it."""
+    trees, _, _ = built
+    manifest = build_collection.load_manifest()["kernels"]
+    for variant in build_collection.VARIANTS:
+        package = trees["flash_attention"] / "build" / variant / manifest["flash_attention"]["package"]
+        for name in ("ops.py", "kernel.py", "tuning.py", "tuned_blocks.py"):
+            copied = package / "_paged" / name
+            assert copied.is_file() and not copied.is_symlink()
+            assert copied.read_bytes() == (REPO / "paged_attention" / name).read_bytes()
+        assert (package / "_paged" / "_shared" / "generations.py").is_file()
+        build_collection.check_self_contained(package, ("paged_attention", "flash_attention", "ragged_dot"))
+
+
+@pytest.mark.parametrize("source,error", [
+    ("from ...elsewhere import x\n", "leaves the package"),
+    ("from .missing import x\n", "resolves to nothing"),
+    ("import paged_attention.ops\n", "another kernel's folder"),
+    ("from paged_attention import ops\n", "another kernel's folder"),
+])
+def test_a_package_that_is_not_self_contained_is_refused(tmp_path, source, error):
+    (tmp_path / "__init__.py").write_text("from .ops import f\n")
+    (tmp_path / "ops.py").write_text("def f():\n    pass\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "__init__.py").write_text(source)
+    with pytest.raises(ValueError, match=error):
+        build_collection.check_self_contained(tmp_path, ("paged_attention",))
+    (tmp_path / "sub" / "__init__.py").write_text("from ..ops import f\n")
+    build_collection.check_self_contained(tmp_path, ("paged_attention",))
+    (tmp_path / "link.py").symlink_to(tmp_path / "ops.py")
+    with pytest.raises(ValueError, match="is a link"):
+        build_collection.check_self_contained(tmp_path, ("paged_attention",))

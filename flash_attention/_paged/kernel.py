@@ -1,0 +1,1 @@
+../../paged_attention/kernel.py
