@@ -9,6 +9,7 @@ reference in float64 on the same (rounded) inputs, with the caches bit-identical
 reference's writes everywhere. Bad index values are errors naming the argument on CPU tensors,
 and NaN outputs on the device branch, and in both cases the caches are left untouched."""
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -360,3 +361,94 @@ def test_unsupported_options_say_so(flash):
                          (dict(causal=False, window_size=(2, 2)), "bounded left window")):
         with pytest.raises(NotImplementedError, match=match):
             flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **{"causal": True, **kwargs, **extra})
+
+
+# transformers' continuous batching: with the decode fast path open, every decode-only step
+# calls flash_attn_with_kvcache with the paged cache and its block table (prefill steps take
+# flash_attn_varlen_func). The tiny families as tests/test_flash_attention_models.py builds
+# them; Gemma 2 and gpt-oss with full-attention layers only (transformers 5.22 gives sliding
+# layers no block table, which turns the fast path off for the whole model: "*_sliding").
+BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=64, tie_word_embeddings=False)
+GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+FULL = ["full_attention", "full_attention"]
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(BASE, **GQA)),
+    "qwen3": ("Qwen3Config", dict(BASE, **GQA)),
+    # MQA, head_dim 256, softcap
+    "gemma2": ("Gemma2Config", dict(BASE, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                    layer_types=FULL, attn_logit_softcapping=5.0, query_pre_attn_scalar=64)),
+    # sinks, head_dim 64
+    "gpt_oss": ("GptOssConfig", dict(BASE, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                     layer_types=FULL, num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2_sliding": ("Gemma2Config", dict(BASE, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                            sliding_window=8, attn_logit_softcapping=5.0, query_pre_attn_scalar=64)),
+}
+
+
+@pytest.fixture
+def decode_fast_path_open(monkeypatch):
+    """transformers 5.22 opens its block-table decode path only for flash attention 2/3 on CUDA or
+    XPU (`ensure_decode_fast_path_is_available`): its device check is opened here, as if
+    transformers admitted TPUs (any flash implementation, XPU "available"); nothing else changes."""
+    from transformers.generation.continuous_batching import initialization
+
+    requested = initialization.is_flash_attention_requested
+    monkeypatch.setattr(initialization, "is_torch_xpu_available", lambda: True)
+    monkeypatch.setattr(initialization, "is_flash_attention_requested",
+                        lambda config=None, requested_attention_implementation=None, version=None:
+                        requested(config, requested_attention_implementation))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_batch_decodes_through_flash_attn_with_kvcache(flash, decode_fast_path_open, monkeypatch, family,
+                                                                caplog):
+    import copy
+
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import modeling_flash_attention_utils as fa_utils
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel
+
+    monkeypatch.setattr(GptOssPreTrainedModel, "_compatible_flash_implementations",
+                        [*GptOssPreTrainedModel._compatible_flash_implementations, REPO])
+    # transformers takes flash_attn_with_kvcache from the module get_kernel returns (this one):
+    # each call is counted, with its block table and new tokens.
+    served, calls = flash.flash_attn_with_kvcache, []
+
+    @functools.wraps(served)  # transformers passes the keywords its signature names
+    def counted(q, k_cache, v_cache, k=None, v=None, **kwargs):
+        calls.append((q.shape[0], kwargs.get("block_table") is not None, k is not None))
+        return served(q, k_cache, v_cache, k, v, **kwargs)
+
+    monkeypatch.setattr(flash, "flash_attn_with_kvcache", counted)
+    monkeypatch.setattr(fa_utils, "_loaded_implementation", None)  # transformers loads the kernel again
+    config_class, kwargs = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**kwargs)
+    with caplog.at_level("WARNING"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=REPO, dtype=torch.float32).eval()
+        fa_utils.lazy_import_flash_attention(REPO)
+    assert model.config._attn_implementation == REPO, "transformers replaced our implementation"
+    assert "does not support block tables" not in caplog.text
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 12, 3)]
+    generation = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # 16-token pages (contexts cross pages while decoding), a 16-token budget per step (the
+    # 19-token prompt is prefilled in chunks; requests join at different steps).
+    batching = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=16)
+    with torch.no_grad():
+        batched = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching)
+    layers = config.num_hidden_layers
+    if family.endswith("_sliding"):
+        assert not calls, "sliding layers have no block table in transformers 5.22: the fast path stays off"
+    else:
+        assert calls and len(calls) % layers == 0, "every layer of a decode step is served by flash_attn_with_kvcache"
+        assert all(table and new for _, table, new in calls), "with the block table and the new tokens"
+        assert max(b for b, _, _ in calls) > 1, "several requests decode in one step"
+    assert len(batched) == len(prompts)
+    with torch.no_grad():
+        for prompt, result in zip(prompts, sorted(batched.values(), key=lambda r: int(r.request_id.split("_")[-1]))):
+            alone = reference.generate(torch.tensor([prompt]), generation_config=generation)
+            assert result.generated_tokens == alone[0, len(prompt):].tolist(), result.error
