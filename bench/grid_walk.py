@@ -64,6 +64,10 @@ class KernelCost:
     when_on_grid_only: list[bool]  # the condition reads only grid indices (the compiler may fold it)
     dimension_semantics: tuple[str, ...]
     operand_shapes: tuple[str, ...]  # its operands and results as XLA prints them ("bf16[512,2048]")
+    # MXU-padded FLOPs of each grid step (the pipeline model's floor on a step's time: the MXU's
+    # peak), and whether they are all of the kernel's (False: a dot runs in a while loop).
+    mxu_flops_per_step: np.ndarray | None = None
+    dots_counted: bool = True
 
 
 def _sub_jaxpr(eqn):
@@ -201,10 +205,28 @@ def _copy_bytes(block_mapping, indices, is_output: bool) -> np.ndarray:
     return per_step
 
 
-def _dots(jaxpr):
-    return [e for e in jaxpr.eqns if e.primitive.name == "dot_general"] + [
-        d for e in jaxpr.eqns for sub in _branches(e) for d in _dots(sub.jaxpr)
+def _trips(eqn) -> int:
+    """Times a sub-jaxpr of `eqn` runs per run of `eqn`: a scan's length (a fori_loop with static
+    bounds is a scan, unrolled or not), else once."""
+    return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+
+
+def _dots(jaxpr, times: int = 1):
+    """[(dot_general eqn, how many times it runs per run of `jaxpr`)]."""
+    return [(e, times) for e in jaxpr.eqns if e.primitive.name == "dot_general"] + [
+        d for e in jaxpr.eqns for sub in _branches(e) for d in _dots(sub.jaxpr, times * _trips(e))
     ]
+
+
+def _dots_in_while(jaxpr) -> bool:
+    """Whether a dot runs inside a while loop (a fori_loop with bounds known only at run time),
+    whose trips the walk cannot count: its MXU work is then unknown."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "while" and _dots(e.params["body_jaxpr"].jaxpr):
+            return True
+        if any(_dots_in_while(sub.jaxpr) for sub in _branches(e)):
+            return True
+    return False
 
 
 def _branches(eqn):
@@ -228,7 +250,7 @@ def _dot_flops(eqn, mxu_width):
 
 def _body_flops(jaxpr, mxu_width) -> tuple[int, int]:
     """(MXU-padded, unpadded) FLOPs of every dot in a body."""
-    dots = [_dot_flops(d, mxu_width) for d in _dots(jaxpr)]
+    dots = [tuple(times * f for f in _dot_flops(d, mxu_width)) for d, times in _dots(jaxpr)]
     return sum(p for p, _ in dots), sum(u for _, u in dots)
 
 
@@ -237,8 +259,8 @@ def _work_per_step(kernel_jaxpr, when_runs, when_flops, mxu_width):
     the kernel's top-level conds run at every step, a cond body's dots at
     the steps where `_when_runs` says it runs."""
     always = [_dot_flops(e, mxu_width) for e in kernel_jaxpr.eqns if e.primitive.name == "dot_general"]
-    always += [_body_flops(sub.jaxpr, mxu_width) for e in kernel_jaxpr.eqns if e.primitive.name != "cond"
-               for sub in _branches(e)]
+    always += [tuple(_trips(e) * f for f in _body_flops(sub.jaxpr, mxu_width)) for e in kernel_jaxpr.eqns
+               if e.primitive.name != "cond" for sub in _branches(e)]
     padded = sum(p for p, _ in always) + when_runs @ np.array([p for p, _ in when_flops], np.int64).reshape(-1)
     unpadded = sum(u for _, u in always) + when_runs @ np.array([u for _, u in when_flops], np.int64).reshape(-1)
     return np.asarray(padded, np.int64), np.asarray(unpadded, np.int64)
@@ -367,6 +389,8 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         when_on_grid_only=when_on_grid_only,
         dimension_semantics=tuple(str(d).split(".")[-1].lower() for d in semantics),
         operand_shapes=tuple(xla_shape(v.aval) for v in (*eqn.invars, *eqn.outvars)),
+        mxu_flops_per_step=padded,
+        dots_counted=not _dots_in_while(kernel_jaxpr),
     )
 
 

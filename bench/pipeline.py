@@ -33,6 +33,57 @@ import numpy as np
 # The pipeline sum lives with the generation table: the block rule uses it too.
 from runtime.generations import DMA_LATENCY_S, GENERATIONS, pipeline_seconds
 
+# The clock at which bundles issue when they do not wait on the MXU. Each generation's `clock_hz`
+# is calibrated on MXU-bound steps (a dense matmul's accumulate steps reach the bf16 peak), so it
+# is the issue rate only where libtpu's schedule already paces the MXU. On v5e, v5p and v6e it
+# does: their derived clocks are near what jax's MXU geometry implies, and on v6e the model rates
+# tokamax's splash attention within 4% of its measured times (bench/results/calibration.md). On
+# tpu7x it does not: libtpu issues a dense matmul's vmatmuls 1.77x as densely as on v6e for 1.26x
+# the peak, so there the MXU stalls the issue, and the calibrated 1.03 GHz would charge those
+# stalls to every other bundle too (an attention's softmax): the same splash kernel, with about
+# as many bundles per step on both, would be rated 1.5x slower on tpu7x than on v6e where tokamax
+# measured it 10% faster. tpu7x's issue clock is therefore calibrated on attention (`python
+# bench/calibration.py issue-clock`: tokamax's measured splash forward times on tpu7x); a step
+# lasts its bundles at the issue clock or its MXU work, whichever is longer
+# (`step_compute_seconds`).
+ISSUE_CLOCK_HZ = {"tpu7x": 1.966e9}
+# Where the issue clock is not the calibrated one, the MXU sets a step's pace wherever it is the
+# busier: each vmatmul the step issues takes as long as one of the dense calibration matmul's
+# accumulate steps (MXU-bound by construction) spends per vmatmul, in cycles of `clock_hz`
+# (`python bench/calibration.py issue-clock` reads it from that kernel's schedule).
+VMATMUL_PACE_CYCLES = {"tpu7x": 2.461}
+
+
+def issue_clock_hz(generation: str) -> float:
+    return ISSUE_CLOCK_HZ.get(generation, GENERATIONS[generation].clock_hz)
+
+
+def step_compute_seconds(cycles, cost, generation: str, matmuls=None) -> np.ndarray:
+    """Each grid step's compute time: its issue cycles at the issue clock, but no less than its
+    vmatmuls at the MXU's pace (`matmuls`: per step, from the schedule) nor its MXU work (the
+    walked dots, padded to the MXU) at the core's bf16 peak. A kernel whose dots the walk cannot
+    count (in a while loop), or whose vmatmuls per step are not known, keeps the MXU-calibrated
+    clock for all its bundles."""
+    gen = GENERATIONS[generation]
+    cycles = np.asarray(cycles, np.float64)
+    mxu = getattr(cost, "mxu_flops_per_step", None)
+    paced = generation in VMATMUL_PACE_CYCLES
+    if mxu is None or not getattr(cost, "dots_counted", False) or (paced and matmuls is None):
+        return cycles / gen.clock_hz
+    floor = np.asarray(mxu, np.float64) / (gen.bf16_flops / gen.cores_per_device)
+    if paced:
+        floor = np.maximum(floor, np.asarray(matmuls, np.float64) * VMATMUL_PACE_CYCLES[generation] / gen.clock_hz)
+    return np.maximum(cycles / issue_clock_hz(generation), floor)
+
+
+def step_matmuls(schedule, runs) -> np.ndarray:
+    """vmatmuls each grid step issues: the grid-loop iteration's, less those of the pl.when
+    bodies it skips (a body nested in one that runs counts as running)."""
+    runs = np.asarray(runs, bool)
+    if not schedule.regions:
+        return np.full(len(runs), schedule.matmuls)
+    return schedule.matmuls - (~runs) @ np.array([r.matmuls for r in schedule.regions], np.int64)
+
 
 def core_of_step(grid: tuple[int, ...], semantics: tuple[str, ...], cores: int) -> np.ndarray:
     """Which core runs each grid step: a megacore splits the first
@@ -88,7 +139,7 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
         cycles, whole_program = read
         own_bytes = profile.dma_bytes() + profile.dma_bytes(reads_hbm=False)
         copies = np.where(own_bytes > 0, own_bytes / (gen.hbm_bytes_per_s / active) + DMA_LATENCY_S, 0.0)
-        issue = cycles / gen.clock_hz
+        issue = step_compute_seconds(cycles, cost, generation)
         compute = np.maximum(issue, copies)
         mapped = True
     else:
@@ -96,16 +147,19 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
         mapped = runs is not None
         if not mapped:  # the regions do not line up with the kernel's pl.when: count them all as running
             runs = np.ones((cost.grid_steps, len(schedule.regions)), bool)
-        compute = issue = schedule.step_cycles(runs, child_runs) / gen.clock_hz
+        compute = issue = step_compute_seconds(schedule.step_cycles(runs, child_runs), cost, generation,
+                                               step_matmuls(schedule, runs))
     per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
                                  gen.hbm_bytes_per_s / active) for c in range(active)]
     # (A profile read as the whole program: its cycles are the program's already.)
-    fill_drain = 0.0 if profile is not None and whole_program else schedule.fill_drain_cycles / gen.clock_hz
+    # (The fill and drain iterations run no dots: their bundles issue at the issue clock.)
+    fill_clock = issue_clock_hz(generation) if getattr(cost, "dots_counted", False) and profile is None else gen.clock_hz
+    fill_drain = 0.0 if profile is not None and whole_program else schedule.fill_drain_cycles / fill_clock
     total = max(per_core) + fill_drain
     moved = cost.fetch_bytes.sum() + cost.write_bytes.sum() + own_bytes.sum()
     return {
         "modeled": total,
-        "compute": float(issue.sum()) / active,  # issue time, split over the active cores
+        "compute": float(issue.sum()) / active,  # issue (or MXU) time, split over the active cores
         "dma": float(moved / gen.hbm_bytes_per_s),
         "fill_drain": fill_drain,
         "cores": active,
@@ -168,4 +222,6 @@ def around_seconds(other_ops: dict, generation: str) -> float:
     their sizes and counts, else its HBM operands once each."""
     gen = GENERATIONS[generation]
     traffic = lambda s: s.hbm_operand_bytes if s.hbm_dma_bytes is None else s.hbm_dma_bytes
-    return sum(max(s.total_cycles / gen.clock_hz, traffic(s) / gen.hbm_bytes_per_s) for s in other_ops.values())
+    # An op that issues matmuls keeps the MXU-calibrated clock (no FLOPs are walked for XLA's ops).
+    clock = lambda s: gen.clock_hz if s.matmuls else issue_clock_hz(generation)
+    return sum(max(s.total_cycles / clock(s), traffic(s) / gen.hbm_bytes_per_s) for s in other_ops.values())

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import calibration
 import grid_walk
@@ -231,3 +232,68 @@ def test_each_process_compiles_into_its_own_dump_directory():
     child_dump, child_flags = child.stdout.splitlines()
     assert child_dump != str(parent)
     assert f"--xla_jf_dump_to={child_dump}" in child_flags.split() and str(parent) not in child_flags
+
+
+def test_walk_counts_a_static_loops_dots_once_per_trip():
+    """A fori_loop with static bounds is a scan: its dot runs 5 times a step, and the MXU floor of
+    the pipeline model needs all 5. With a bound known only at run time (a while loop) the walk
+    cannot count them, and says so."""
+    steps = 4
+    fn = _looping_kernel(steps)
+    specs = [jax.ShapeDtypeStruct((128 * steps, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)]
+    (cost,) = grid_walk.kernel_costs(fn, specs, mxu_width=256)
+    np.testing.assert_array_equal(cost.mxu_flops_per_step, [5 * 2 * 128 * 256 * 256] * steps)
+    assert cost.mxu_flops == steps * 5 * 2 * 128 * 256 * 256 and cost.dots_counted
+
+    def dynamic(n_ref, x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+        def accumulate(_, carry):
+            o_ref[...] += jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(0, n_ref[0], accumulate, 0)
+
+    call = pl.pallas_call(
+        dynamic, out_shape=jax.ShapeDtypeStruct((128, 256), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec((128, 256), lambda i, n: (0, 0)), pl.BlockSpec((256, 256), lambda i, n: (0, 0))],
+            out_specs=pl.BlockSpec((128, 256), lambda i, n: (0, 0))))
+    (cost,) = grid_walk.kernel_costs(call, [jnp.asarray([3], jnp.int32), *(jax.ShapeDtypeStruct((s, 256), jnp.bfloat16)
+                                                                          for s in (128, 256))], mxu_width=256)
+    assert not cost.dots_counted
+
+
+def _cost(mxu_flops, dots_counted=True):
+    return types.SimpleNamespace(mxu_flops_per_step=np.asarray(mxu_flops, np.float64), dots_counted=dots_counted)
+
+
+@pytest.mark.parametrize("generation", list(GENERATIONS))
+def test_a_step_never_beats_the_mxu_peak(generation):
+    """Whatever its bundles, a step lasts at least its MXU work at the core's bf16 peak: a modeled
+    time under the chip's peak is a bug."""
+    gen = GENERATIONS[generation]
+    peak = gen.bf16_flops / gen.cores_per_device
+    cycles = np.array([100, 100])
+    seconds = pipeline.step_compute_seconds(cycles, _cost([0, 1e12]), generation, matmuls=[0, 0])
+    assert seconds[0] == pytest.approx(100 / pipeline.issue_clock_hz(generation))
+    assert seconds[1] == pytest.approx(1e12 / peak)
+    # A kernel whose dots the walk cannot count keeps the MXU-calibrated clock for every bundle.
+    assert pipeline.step_compute_seconds(cycles, _cost([0, 0], False), generation)[0] == pytest.approx(100 / gen.clock_hz)
+
+
+def test_tpu7x_issues_at_its_issue_clock_and_waits_on_the_mxu():
+    """On tpu7x the calibrated clock holds for MXU-paced bundles only: a step's bundles issue at the
+    issue clock, and its vmatmuls take the dense calibration matmul's pace per vmatmul."""
+    gen = GENERATIONS["tpu7x"]
+    assert pipeline.issue_clock_hz("tpu7x") > gen.clock_hz
+    assert pipeline.issue_clock_hz("v6e") == GENERATIONS["v6e"].clock_hz
+    cycles = np.array([2000, 2000])
+    seconds = pipeline.step_compute_seconds(cycles, _cost([0, 0]), "tpu7x", matmuls=[0, 1000])
+    assert seconds[0] == pytest.approx(2000 / pipeline.issue_clock_hz("tpu7x"))
+    assert seconds[1] == pytest.approx(1000 * pipeline.VMATMUL_PACE_CYCLES["tpu7x"] / gen.clock_hz)
+
+
+def test_vmatmul_pace_is_the_dense_calibration_matmuls():
+    assert calibration.vmatmul_pace_cycles("tpu7x") == pytest.approx(pipeline.VMATMUL_PACE_CYCLES["tpu7x"], rel=0.005)
