@@ -1,0 +1,93 @@
+"""The calibration's points (bench/calibration_cases.json) and their MODELED results
+(bench/results/calibration.json): no published measurement is lost, and every Pallas row stays
+within the target of its measurement."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+CASES = json.loads((BENCH / "calibration_cases.json").read_text())
+ROWS = json.loads((BENCH / "results" / "calibration.json").read_text())
+TARGET = 1.3  # bench/calibration.py's: modeled within this factor of measured, either way
+
+# tokamax's "Performance Benchmarks on Ironwood TPU" (November 2025): batch 1, 32 query heads, 8 KV
+# heads, causal, bf16, one tpu7x core. (tokens, head_dim_qk, head_dim_v): (forward ms, backward ms).
+IRONWOOD_SPLASH = {
+    (4096, 128, 128): (0.58, 1.19), (4096, 192, 128): (0.59, 1.23), (4096, 256, 256): (0.67, 1.25),
+    (8192, 128, 128): (1.93, 3.98), (8192, 192, 128): (1.98, 4.14), (8192, 256, 256): (2.14, 4.20),
+    (32768, 128, 128): (24.75, 55.05), (32768, 192, 128): (25.41, 56.97), (32768, 256, 256): (26.93, 58.11),
+    (131072, 128, 128): (357.20, 823.43), (131072, 192, 128): (371.30, 840.74), (131072, 256, 256): (386.39, 853.37),
+}
+
+
+def _row_of(case):
+    matches = [r for r in ROWS if all(r.get(k) == v for k, v in case.items())]
+    assert len(matches) == 1, f"calibration.json has {len(matches)} rows for {case}"
+    return matches[0]
+
+
+def test_every_ironwood_splash_point_is_a_case():
+    splash = {(c["tokens"], c["head_dim_qk"], c["head_dim_v"], c["pass_"]): c["measured_ms"]
+              for c in CASES if c["kind"] == "splash"}
+    expected = {(*key, pass_): ms for key, both in IRONWOOD_SPLASH.items() for pass_, ms in zip(("fwd", "bwd"), both)}
+    assert splash == expected
+    for c in CASES:
+        if c["kind"] == "splash":
+            assert (c["generation"], c["batch"], c["q_heads"], c["kv_heads"]) == ("tpu7x", 1, 32, 8)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['kind']}-{c['generation']}-{c.get('tokens', c.get('m'))}"
+                         f"-{c.get('head_dim_qk', c.get('k'))}-{c.get('pass_', '')}")
+def test_every_case_has_its_modeled_row(case):
+    row = _row_of(case)
+    if _not_modeled(case):
+        if "error" in row:  # calibration.md lists it and says why
+            assert "HbmOom" in row["error"] or "compile" in row["error"]
+            return
+    assert row["modeled_ms"] > 0 and row["ratio"] == pytest.approx(row["modeled_ms"] / case["measured_ms"])
+
+
+def _not_modeled(case):
+    """The microbenchmark's backward at 128k tokens: its program at the script's blocks needs
+    69-275 GB of f32 dq partials, past a core's HBM, and the blocks it was measured at are not
+    stated (calibration.py's SPLASH_BWD_SWEEP_LONG tries 4096-key ones)."""
+    return case["kind"] == "splash" and case["tokens"] == 131072 and case["pass_"] == "bwd"
+
+
+def _known_off(case):
+    """The rows calibration.md names as past the target, with the band they stay in: the splash
+    forward at 128k tokens (the modeled forward grows slower than the measured one with the
+    sequence) and the 1k-token cached row (one masked block per head)."""
+    if case["kind"] == "splash" and case["tokens"] == 131072:
+        return KNOWN_OFF_BAND
+    if case["kind"] == "tokamax_attention" and case["tokens"] == 1024 and case["generation"] == "tpu7x":
+        return (0.6, 1 / TARGET)
+    return None
+
+
+KNOWN_OFF_BAND = (1 / TARGET, 1.45)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["kind"] != "xla_ragged_dot"],
+                         ids=lambda c: f"{c['kind']}-{c['generation']}-{c.get('tokens', c.get('m'))}"
+                         f"-{c.get('head_dim_qk', c.get('k'))}-{c.get('pass_', '')}")
+def test_every_pallas_row_within_the_target(case):
+    """Matmuls and attention alike, but for the rows calibration.md names, which stay in their
+    band. (XLA's own ragged_dot is a lower bound, documented there: its loop over groups has a
+    trip count known only at run time.)"""
+    row = _row_of(case)
+    if _not_modeled(case):
+        pytest.skip("not reproduced: calibration.md says why")
+    ratio = row["ratio"]
+    low, high = _known_off(case) or (1 / TARGET, TARGET)
+    assert low <= ratio <= high, f"MODELED / measured = {ratio:.2f}"
+
+
+def test_before_the_two_rate_fix_tpu7x_attention_was_off():
+    """The splash forward on tpu7x was 1.8x or more slow with every bundle at the MXU-calibrated
+    clock (calibration.md's `before fix`), and v6e's rows did not move: the fix is tpu7x's."""
+    rows = [r for r in (_row_of(c) for c in CASES if c["kind"] in ("splash", "tokamax_attention")) if "error" not in r]
+    assert min(r["before_ratio"] for r in rows if r["kind"] == "splash" and r["pass_"] == "fwd") >= 1.75
+    assert all(r["before_ms"] == pytest.approx(r["modeled_ms"], rel=0.02) for r in rows if r["generation"] == "v6e")
