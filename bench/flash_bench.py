@@ -180,6 +180,36 @@ def tokamax_attention(shape: AttentionShape, block_q: int, block_k: int, experim
     return fn
 
 
+def tokamax_splash(shape: AttentionShape, block_q: int, block_k: int):
+    """tokamax 0.0.12's experimental splash (tokamax/_src/ops/experimental/tpu/splash_attention), the
+    kernel its Ironwood microbenchmarks measured, called as its benchmark script calls it
+    (tokamax/experimental/utils/tuning/tpu/splash_attention_benchmarking.py): its MQA kernel
+    vmapped over the KV heads, base-2 exp, [B, H, S, D], no softmax scale (q is pre-scaled), its
+    fused backward. Compute blocks of 512 keys (the benchmark's winners, bench/calibration.py) and
+    libtpu's LP scheduler; softcap yes, sinks and windows no."""
+    from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as tk_splash
+    from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_mask as tk_mask
+
+    options = shape.kwargs
+    if "sinks" in options or "window_size" in options:
+        return None
+    compute = min(512, block_k)
+    config = tk_splash.SplashConfig(block_q=block_q, block_kv=block_k, block_kv_compute=compute, block_q_dkv=block_q,
+                                    block_kv_dkv=block_k, block_kv_dkv_compute=compute, use_experimental_scheduler=True,
+                                    use_base2_exp=True, attn_logits_soft_cap=options.get("softcap"))
+
+    def fn(q, k, v, sinks):
+        tokens, group = q.shape[1], shape.q_heads // shape.kv_heads
+        # Built per call: the kernel holds its mask metadata as arrays of the trace it was made in.
+        kernel = tk_splash.make_splash_mqa_single_device(tk_mask.CausalMask((tokens, tokens)), config=config)
+        q = _heads_major(q * jnp.asarray(shape.head_dim ** -0.5, q.dtype))
+        q = q.reshape(q.shape[0], shape.kv_heads, group, tokens, shape.head_dim)
+        out = jax.vmap(jax.vmap(kernel))(q, _heads_major(k), _heads_major(v))  # over batch, then KV heads
+        return _heads_major(out.reshape(q.shape[0], shape.q_heads, tokens, shape.head_dim))
+
+    return fn
+
+
 def tpu_inference_flash(shape: AttentionShape, block_q: int, block_k: int):
     """tpu-inference 0.32.0's flash attention (a forward-only fork of jax's, MHA, [B, H, S, D])."""
     module = _tpu_inference_flash_module()
@@ -210,6 +240,7 @@ ANCHORS = {
     "jax flash_attention": (jax_flash, "flash", True),
     "splash": (splash, "splash", True),
     "tokamax": (tokamax_attention, "splash", True),
+    "tokamax splash (microbenchmark form)": (tokamax_splash, "splash", True),
     "tpu-inference flash": (tpu_inference_flash, "flash_attention", False),
 }
 IMPLS = ("ours", *ANCHORS)
