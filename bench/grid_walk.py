@@ -266,7 +266,7 @@ def _work_per_step(kernel_jaxpr, when_runs, when_flops, mxu_width):
     return np.asarray(padded, np.int64), np.asarray(unpadded, np.int64)
 
 
-def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width):
+def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width, user_axes=None):
     """The bodies of the kernel's top-level conds, in the order Mosaic lays
     them out: whether each runs at each step, whether that is known, its
     dots' FLOPs, and whether its condition reads grid indices only. A
@@ -284,7 +284,7 @@ def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width):
         try:
             if len(branches) > 2:
                 raise NotImplementedError("a switch of more than two branches")
-            taken = _cond_index(kernel_jaxpr, i, num_prefetch, points, prefetch)
+            taken = _cond_index(kernel_jaxpr, i, num_prefetch, points, prefetch, user_axes)
             columns, ok = [taken == b for b in bodies], True
         except NotImplementedError:
             columns, ok = [np.ones(len(points), bool) for _ in bodies], False
@@ -308,9 +308,12 @@ def _condition_slice(kernel_jaxpr, eqn_index):
     return kept, needed
 
 
-def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
+def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch, user_axes=None):
     """Which branch the cond at `eqn_index` takes at each grid step, computed
-    from the grid indices and scalar prefetch the way the kernel does."""
+    from the grid indices and scalar prefetch the way the kernel does.
+    user_axes: the grid axes the kernel's own program_id(i) / num_programs(i)
+    name (a vmapped pallas_call prepends grid axes its body never sees: Mosaic
+    lowers program_id(i) to the i-th axis that is not vmapped)."""
     pred_var = kernel_jaxpr.eqns[eqn_index].invars[0]
     kept, needed = _condition_slice(kernel_jaxpr, eqn_index)
     if needed & set(kernel_jaxpr.invars[num_prefetch:]):
@@ -324,9 +327,10 @@ def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch):
         invars=[v for _, _, v in grid_inputs] + list(kernel_jaxpr.invars[:num_prefetch]))
     pure = jcore.jaxpr_as_fun(discharge_state(jcore.ClosedJaxpr(sliced, ())))
     grid_shape = points.max(axis=0) + 1
+    axes = list(range(points.shape[1])) if user_axes is None else list(user_axes)
 
     def one(point):
-        grid_values = [point[axis] if name == "program_id" else jnp.int32(grid_shape[axis])
+        grid_values = [point[axes[axis]] if name == "program_id" else jnp.int32(grid_shape[axes[axis]])
                        for name, axis, _ in grid_inputs]
         return jnp.asarray(pure(*grid_values, *prefetch)[0], jnp.int32)
 
@@ -366,8 +370,10 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         (write if is_output else fetch)[:] += per_step
         by_operand[f"{'out' if is_output else 'in'}{i}:{block_mapping.array_aval.str_short()}"] = int(per_step.sum())
     kernel_jaxpr = eqn.params["jaxpr"]
+    vmapped = set(getattr(grid_mapping, "vmapped_dims", ()))
+    user_axes = [a for a in range(len(grid)) if a not in vmapped]
     when_runs, when_known, when_flops, when_on_grid_only = _when_runs(kernel_jaxpr, num_prefetch, points, prefetch,
-                                                                      mxu_width)
+                                                                      mxu_width, user_axes)
     padded, unpadded = _work_per_step(kernel_jaxpr, when_runs, when_flops, mxu_width)
     params = eqn.params.get("compiler_params")
     params = params.get("mosaic_tpu", params) if isinstance(params, dict) else params

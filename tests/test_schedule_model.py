@@ -297,3 +297,22 @@ def test_tpu7x_issues_at_its_issue_clock_and_waits_on_the_mxu():
 
 def test_vmatmul_pace_is_the_dense_calibration_matmuls():
     assert calibration.vmatmul_pace_cycles("tpu7x") == pytest.approx(pipeline.VMATMUL_PACE_CYCLES["tpu7x"], rel=0.005)
+
+
+def test_walk_reads_a_vmapped_kernels_own_program_ids():
+    """vmap prepends grid axes a kernel's body never sees: Mosaic lowers its program_id(0) to the
+    first axis that is not vmapped, so its pl.when bodies run where that axis says (read off the
+    vmapped axis, a splash kernel vmapped over heads counted its masked body on 3/4 of its steps)."""
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = jnp.dot(x_ref[...], x_ref[...], preferred_element_type=jnp.float32)
+
+    call = pl.pallas_call(body, grid=(4,), in_specs=[pl.BlockSpec((128, 128), lambda i: (i, 0))],
+                          out_specs=pl.BlockSpec((128, 128), lambda i: (i, 0)),
+                          out_shape=jax.ShapeDtypeStruct((512, 128), jnp.float32))
+    (cost,) = grid_walk.kernel_costs(jax.vmap(call), [jax.ShapeDtypeStruct((3, 512, 128), jnp.float32)], mxu_width=128)
+    assert cost.grid == (3, 4)
+    np.testing.assert_array_equal(cost.when_runs[:, 0], np.tile([True, False, False, False], 3))
