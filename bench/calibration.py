@@ -298,10 +298,6 @@ def vmatmul_pace_cycles(generation: str) -> float:
 ATTENTION_KINDS = ("splash", "tokamax_attention")
 
 
-def _unreproduced(row: dict) -> bool:
-    """The microbenchmark's backward at 128k tokens: its program does not fit at the blocks its
-    script tunes below 4096 keys, and what it was measured at is not stated."""
-    return row["kind"] == "splash" and row["pass_"] == "bwd" and row["tokens"] >= LONG_TOKENS
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -324,8 +320,7 @@ def write_calibration(rows: list[dict], out: Path) -> None:
     matmuls = [r for r in rows if r["kind"] not in ATTENTION_KINDS]
     pallas = [r for r in matmuls if r["kind"] != "xla_ragged_dot"]
     xla = [r for r in matmuls if r["kind"] == "xla_ragged_dot"]
-    splash = [r for r in rows if r["kind"] == "splash" and not _unreproduced(r)]
-    unreproduced = [r for r in rows if _unreproduced(r)]
+    splash = [r for r in rows if r["kind"] == "splash"]
     cached = [r for r in rows if r["kind"] == "tokamax_attention"]
     lines = [
         "# Calibration: the schedule model against public TPU measurements",
@@ -372,7 +367,7 @@ def write_calibration(rows: list[dict], out: Path) -> None:
             "| ratio | before fix ms | ratio before | grad program ms | grid steps |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in splash + unreproduced + cached:
+        for r in splash + cached:
             if r["kind"] == "tokamax_attention":
                 c = r["config"]
                 blocks = (f"{c['block_q']}x{c['block_kv']}x{c['block_kv_compute']} "
@@ -385,13 +380,11 @@ def write_calibration(rows: list[dict], out: Path) -> None:
                 f"| {r['kind']} | {r['generation']} | {r['pass_']} | {r['batch']} x {r['tokens']} | {r['q_heads']}/{r['kv_heads']} "
                 f"| {r['head_dim_qk']}/{r['head_dim_v']} | {blocks} | {r['measured_ms']:.3f} | {r['modeled_ms']:.3f} "
                 f"| {r['ratio']:.2f} | {r['before_ms']:.3f} | {r['before_ratio']:.2f} | {program} | {r['grid_steps']} |")
-    if unreproduced or failed:
-        lines += ["", "The backward at 128k tokens is not reproduced: the benchmark script's program writes dq as f32",
-                  "partials, one per KV block of the fused backward, 275 GB at its 1024-key blocks and 69-135 GB at",
-                  "4096, past a core's 94.7 GB for head dims 192 and 256 (libtpu: CompileTimeHbmOom); the measured",
-                  "runs' configuration is not stated. The one that compiles (head dim 128, 4096-key blocks) is",
-                  "listed above but not counted: with 4096-key blocks it is not the program that was measured."]
     if failed:
+        lines += ["", "The backward at 128k tokens: the benchmark script's program writes dq as f32 partials, one per KV",
+                  "block of the fused backward: 275 GB at 1024-key blocks, past a core's 94.7 GB (libtpu:",
+                  "CompileTimeHbmOom). At 4096-key blocks head dim 128 fits and is modeled; head dims 192 and 256 need",
+                  "135 GB there, and longer blocks were not tried here (compile time)."]
         lines += ["", "Not modeled (no program of the row compiles):", ""] + [
             f"- {r['kind']} {r['generation']} {r.get('pass_', '')} {r.get('tokens', '')} tokens, head dims "
             f"{r.get('head_dim_qk', '')}/{r.get('head_dim_v', '')}, measured {r['measured_ms']} ms: {r['error']}" for r in failed]
@@ -408,10 +401,10 @@ Where the model is off, and why (what it cannot see):
   streamed copy measured 3.21 TB/s on one tpu7x core, 87% of the 3.69 TB/s in our table:
   vllm-project/tpu-inference issue 3520). The guide's dense times include dispatch from Python (timeit).
 - Attention on tpu7x: with every bundle at the MXU-calibrated 1.03 GHz (`before fix`) the splash forward
-  came out 1.8-2.3x slow and its backward 1.1-2.1x, while on v6e the same kernel is within 4%: tpu7x's
+  came out 1.7-2.3x slow and its backward 1.6-2.0x, while on v6e the same kernel is within 4%: tpu7x's
   softmax bundles do not wait on the MXU, and now issue at their own clock (docs/performance-model.md,
-  "tpu7x: two rates"). What remains: the modeled forward grows slower than the measured one with the
-  sequence (1.0x at 4k, 1.1x at 8k, 1.25x at 32k, 1.3-1.36x at 128k). The measured time per 1024x1024
+  "tpu7x: two rates"). What remains: the model grows slower than the measurement with the sequence
+  (forward 0.96-1.1x at 4k-8k, 1.17-1.25x at 32k, 1.26-1.36x at 128k; backward 0.98-1.2x, 1.21-1.30x). The measured time per 1024x1024
   block falls from 1.8 us at 4k to 1.35 us at 128k as the masked diagonal blocks thin out; the model's
   per-step cycles fall less steeply, so at 128k, where nearly every step is unmasked, its unmasked steps
   are what is about 1.35x slow. The 1k-token, 16-sequence cached row (one masked block per head, 128

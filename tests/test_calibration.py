@@ -50,24 +50,23 @@ def test_every_case_has_its_modeled_row(case):
 
 
 def _not_modeled(case):
-    """The microbenchmark's backward at 128k tokens: its program at the script's blocks needs
-    69-275 GB of f32 dq partials, past a core's HBM, and the blocks it was measured at are not
-    stated (calibration.py's SPLASH_BWD_SWEEP_LONG tries 4096-key ones)."""
-    return case["kind"] == "splash" and case["tokens"] == 131072 and case["pass_"] == "bwd"
+    """The microbenchmark's backward at 128k tokens for head dims 192 and 256: its program needs
+    135 GB or more of f32 dq partials at every block calibration.py tries, past a core's HBM."""
+    return case["kind"] == "splash" and case["tokens"] == 131072 and case["pass_"] == "bwd" and case["head_dim_qk"] > 128
 
 
 def _known_off(case):
     """The rows calibration.md names as past the target, with the band they stay in: the splash
-    forward at 128k tokens (the modeled forward grows slower than the measured one with the
-    sequence) and the 1k-token cached row (one masked block per head)."""
-    if case["kind"] == "splash" and case["tokens"] == 131072:
+    rows from 32k tokens (the model grows slower than the measurement with the sequence: 1.36x
+    at most, at 128k) and the 1k-token cached row (one masked block per head)."""
+    if case["kind"] == "splash" and case["tokens"] >= 32768:
         return KNOWN_OFF_BAND
     if case["kind"] == "tokamax_attention" and case["tokens"] == 1024 and case["generation"] == "tpu7x":
         return (0.6, 1 / TARGET)
     return None
 
 
-KNOWN_OFF_BAND = (1 / TARGET, 1.45)
+KNOWN_OFF_BAND = (1 / TARGET, 1.4)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["kind"] != "xla_ragged_dot"],
@@ -78,16 +77,16 @@ def test_every_pallas_row_within_the_target(case):
     band. (XLA's own ragged_dot is a lower bound, documented there: its loop over groups has a
     trip count known only at run time.)"""
     row = _row_of(case)
-    if _not_modeled(case):
-        pytest.skip("not reproduced: calibration.md says why")
+    if _not_modeled(case) and "error" in row:
+        pytest.skip("not modeled: calibration.md says why")
     ratio = row["ratio"]
     low, high = _known_off(case) or (1 / TARGET, TARGET)
     assert low <= ratio <= high, f"MODELED / measured = {ratio:.2f}"
 
 
 def test_before_the_two_rate_fix_tpu7x_attention_was_off():
-    """The splash forward on tpu7x was 1.8x or more slow with every bundle at the MXU-calibrated
+    """The splash forward on tpu7x was 1.7x or more slow with every bundle at the MXU-calibrated
     clock (calibration.md's `before fix`), and v6e's rows did not move: the fix is tpu7x's."""
     rows = [r for r in (_row_of(c) for c in CASES if c["kind"] in ("splash", "tokamax_attention")) if "error" not in r]
-    assert min(r["before_ratio"] for r in rows if r["kind"] == "splash" and r["pass_"] == "fwd") >= 1.75
+    assert min(r["before_ratio"] for r in rows if r["kind"] == "splash" and r["pass_"] == "fwd") >= 1.7
     assert all(r["before_ms"] == pytest.approx(r["modeled_ms"], rel=0.02) for r in rows if r["generation"] == "v6e")
