@@ -1,0 +1,127 @@
+"""JAX entry point: the gated delta rule over whole or packed sequences, chunked.
+
+`chunk_gated_delta_rule` takes fla's arguments as transformers passes them (Qwen3.5,
+Qwen3-Next): q, k [B, T, Hk, dk], v [B, T, Hv, dv], g (log decay, <= 0) and beta [B, T, Hv],
+an optional initial state [N, Hv, dk, dv], and `cu_seqlens` [N + 1] for N sequences packed
+in a batch of one. Hk divides Hv: value head h reads q and k head h // (Hv // Hk), as the
+models' `repeat_interleave` lays them out. It returns o [B, T, Hv, dv] in q's dtype and, with
+`output_final_state`, each sequence's final state [N, Hv, dk, dv] in fp32; everything inside
+is computed in fp32.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._shared.generations import default_interpret
+from .kernel import chunk_forward
+
+CHUNK = 64  # tokens per chunk: fla's and transformers' reference's
+
+
+def _shape_error(name: str, got, want: str):
+    return ValueError(f"chunk_gated_delta_rule: {name} has shape {tuple(got)}, expected {want}")
+
+
+def check_shapes(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
+    """Raises a ValueError naming the argument whose shape disagrees; returns the number of sequences."""
+    if q.ndim != 4:
+        raise _shape_error("q", q.shape, "[batch, tokens, heads, head_dim]")
+    batch, tokens, hk, dk = q.shape
+    if k.shape != q.shape:
+        raise _shape_error("k", k.shape, f"q's {tuple(q.shape)}")
+    if v.ndim != 4 or v.shape[:2] != (batch, tokens):
+        raise _shape_error("v", v.shape, f"[{batch}, {tokens}, value_heads, value_dim]")
+    hv, dv = v.shape[2:]
+    if hv % hk:
+        raise ValueError(f"chunk_gated_delta_rule: v's {hv} heads are not a multiple of q's and k's {hk}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (batch, tokens, hv):
+            raise _shape_error(name, x.shape, f"[{batch}, {tokens}, {hv}] (v's batch, tokens and heads)")
+    if cu_seqlens is not None:
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise _shape_error("cu_seqlens", cu_seqlens.shape, "[sequences + 1]")
+        if batch != 1:
+            raise ValueError(f"chunk_gated_delta_rule: with cu_seqlens the sequences are packed in a batch of "
+                             f"one, got batch {batch}")
+        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise ValueError(f"chunk_gated_delta_rule: cu_seqlens must be integers, got {cu_seqlens.dtype}")
+    seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is not None and initial_state.shape != (seqs, hv, dk, dv):
+        raise _shape_error("initial_state", initial_state.shape, f"[{seqs}, {hv}, {dk}, {dv}] (sequences, v's heads, "
+                           "k's head_dim, v's head_dim)")
+    return seqs
+
+
+def check_cu_seqlens(cu_seqlens, tokens: int) -> None:
+    """Values of a host-side cu_seqlens (a traced one is taken as given: reading it would sync)."""
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        return
+    cu = np.asarray(cu_seqlens)
+    if cu[0] != 0 or cu[-1] != tokens or np.any(np.diff(cu) < 0):
+        raise ValueError(f"chunk_gated_delta_rule: cu_seqlens must rise from 0 to the {tokens} tokens, got "
+                         f"{cu.tolist()}")
+
+
+def chunk_layout(cu_seqlens, tokens: int, seqs: int, chunk: int):
+    """Where each sequence's chunks go: (seq, first, last) int32 per chunk (seq -1 past the live
+    chunks) and, per chunk slot, the token it holds (`tokens` for padding). Every sequence starts a
+    chunk; the count of chunks is a static bound, ceil(tokens / chunk) + seqs - 1 (packed)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    lens = cu[1:] - cu[:-1]
+    per_seq = (lens + chunk - 1) // chunk
+    ends = jnp.cumsum(per_seq)
+    starts = ends - per_seq
+    count = -(-tokens // chunk) + max(seqs - 1, 0)
+    c = jnp.arange(count, dtype=jnp.int32)
+    live = c < ends[-1]
+    s = jnp.clip(jnp.searchsorted(ends, c, side="right"), 0, seqs - 1).astype(jnp.int32)
+    i = c - starts[s]
+    seq = jnp.where(live, s, -1)
+    first = (live & (i == 0)).astype(jnp.int32)
+    last = (live & (i == per_seq[s] - 1)).astype(jnp.int32)
+    offset = jnp.arange(chunk, dtype=jnp.int32)
+    valid = live[:, None] & (offset[None, :] < (lens[s] - i * chunk)[:, None])
+    token = jnp.where(valid, cu[s][:, None] + i[:, None] * chunk + offset[None, :], tokens)
+    return seq, first, last, token, lens
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size: int = CHUNK,
+                           interpret=None):
+    seqs = check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    batch, tokens, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    total = batch * tokens
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * tokens
+    else:
+        check_cu_seqlens(cu_seqlens, tokens)
+    scale = dk ** -0.5 if scale is None else float(scale)
+    interpret = default_interpret() if interpret is None else interpret
+    seq, first, last, token, lens = chunk_layout(jnp.asarray(cu_seqlens), total, seqs, chunk_size)
+    count = seq.shape[0]
+    index = token.reshape(-1)
+
+    def chunked(x):  # [B, T, H, d] -> [H, chunks * chunk, d], padding zeros
+        x = jnp.asarray(x).reshape(total, *x.shape[2:]).at[index].get(mode="fill", fill_value=0)
+        return jnp.moveaxis(x, 1, 0)
+
+    repeat = hv // hk
+    qc, kc = (chunked(jnp.repeat(x, repeat, axis=2) if repeat > 1 else x) for x in (q, k))
+    gb = jnp.stack([jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)], axis=-1)  # [B, T, Hv, 2]
+    gb = chunked(gb).reshape(hv, count, chunk_size, 2).swapaxes(2, 3)
+    h0 = (jnp.zeros((seqs, hv, dk, dv), jnp.float32) if initial_state is None
+          else jnp.asarray(initial_state, jnp.float32))
+    o, final = chunk_forward(seq, first, last, qc, kc, chunked(v), gb, h0, num_seqs=seqs, scale=scale,
+                             l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size, out_dtype=q.dtype,
+                             interpret=interpret)
+    o = jnp.zeros((total, hv, dv), q.dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
+    o = o.reshape(batch, tokens, hv, dv)
+    if not output_final_state:
+        return o, None
+    # A sequence with no tokens has no chunk: its state passes through.
+    return o, jnp.where((lens == 0)[:, None, None, None], h0, final)

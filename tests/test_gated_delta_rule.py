@@ -1,0 +1,164 @@
+"""The gated delta rule's chunked forward (gated_delta_rule/) against transformers' own torch
+reference functions (Qwen3.5's): fp32 and bf16, lengths that are not a multiple of the chunk,
+initial and final states, packed sequences (one of them empty), value heads sharing q/k heads,
+the TPU interpreter, libtpu's compile, and bad input."""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from jax.experimental.pallas import tpu as pltpu
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
+
+import tpu_compile
+from gated_delta_rule import ops
+from runtime.generations import GENERATIONS
+
+# fp32: the kernel and the reference both chunk; they differ in summation order and in how the
+# chunk's triangular system is solved (the reference: a triangular solve; ours: a product of
+# squarings). Measured <= 3e-7 of the largest output; 1e-5 allows for longer sums, still far
+# below what a misplaced decay or a dropped token moves (>= 1e-2 of it).
+FP32_TOLERANCE = 1e-5
+# bf16 output: one rounding of the fp32 result (2^-8 relative), twice for margin.
+BF16_TOLERANCE = 2 * 2**-8
+
+
+def _inputs(batch, tokens, hk, hv, dk, dv, seqs=None, seed=0, dtype=np.float32):
+    """Random inputs as the models make them: g = -exp(A) softplus(.) (<= 0), beta = sigmoid(.) in (0, 1),
+    keys of norm about 1 (the rule is stable where beta |k|^2 < 2: callers that do not normalise
+    in the kernel pass normalised keys)."""
+    rng = np.random.default_rng(seed)
+    x = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    g = -np.exp(x(hv) * 0.5) * np.log1p(np.exp(x(batch, tokens, hv)))
+    beta = 1 / (1 + np.exp(-x(batch, tokens, hv)))
+    state = x(seqs or batch, hv, dk, dv)
+    cast = lambda a: a.astype(dtype)
+    return (cast(x(batch, tokens, hk, dk)), cast(x(batch, tokens, hk, dk) * dk**-0.5), cast(x(batch, tokens, hv, dv)),
+            g.astype(np.float32), cast(beta.astype(np.float32)), state)
+
+
+def _torch(fn, q, k, v, g, beta, state, l2norm=True):
+    """A transformers reference on torch tensors; q and k repeated to v's heads as the models do."""
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float32))
+    repeat = v.shape[2] // q.shape[2]
+    q, k = (t(a).repeat_interleave(repeat, dim=2) for a in (q, k))
+    o, final = fn(q, k, t(v), g=t(g), beta=t(beta), initial_state=None if state is None else t(state),
+                  output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    return o.numpy(), final.numpy()
+
+
+def _error(got, want):
+    return float(np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("case", [
+    # batch, tokens, q/k heads, v heads, dk, dv, l2norm, initial state
+    (2, 100, 2, 2, 32, 16, True, True),  # 100 tokens: a partial last chunk
+    (1, 128, 1, 2, 64, 64, False, False),  # two value heads on one q/k head, no state given
+    (1, 33, 2, 4, 128, 128, True, True),  # one partial chunk, the models' head dims
+])
+def test_forward_matches_the_references_in_fp32(case):
+    batch, tokens, hk, hv, dk, dv, l2norm, with_state = case
+    q, k, v, g, beta, state = _inputs(batch, tokens, hk, hv, dk, dv)
+    state = state if with_state else None
+    o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=l2norm, interpret=True)
+    # The chunked reference, and the token-by-token recurrence that defines the rule.
+    for name, fn in (("chunked", torch_chunk_gated_delta_rule), ("recurrent", torch_recurrent_gated_delta_rule)):
+        want_o, want_state = _torch(fn, q, k, v, g, beta, state, l2norm)
+        assert o.dtype == jnp.float32 and final.dtype == jnp.float32
+        assert _error(o, want_o) <= FP32_TOLERANCE, (name, _error(o, want_o))
+        assert _error(final, want_state) <= FP32_TOLERANCE, (name, _error(final, want_state))
+
+
+def test_bf16_inputs_give_the_fp32_result_rounded_once():
+    """bf16 q, k, v and beta are computed in fp32 (as the reference upcasts them): the output is
+    the fp32 result of the same bf16 values, rounded to bf16; the state stays fp32."""
+    q, k, v, g, beta, state = _inputs(1, 150, 2, 2, 128, 128, seed=1)
+    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    o, final = ops.chunk_gated_delta_rule(bf16(q), bf16(k), bf16(v), g, bf16(beta), initial_state=state,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True, interpret=True)
+    as_f32 = lambda a: np.asarray(bf16(a), np.float32)
+    want_o, want_state = _torch(torch_chunk_gated_delta_rule, as_f32(q), as_f32(k), as_f32(v), g, as_f32(beta), state)
+    assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    assert _error(o, want_o) <= BF16_TOLERANCE
+    assert _error(final, want_state) <= FP32_TOLERANCE
+
+
+def test_packed_sequences_keep_their_own_states():
+    """Four sequences packed in one row (one empty, one spanning three chunks, none aligned to a
+    chunk), each with its own initial state: each sequence's output and final state are those of
+    the reference run on it alone; the empty one's state passes through."""
+    cu = np.array([0, 37, 37, 150, 200], np.int32)
+    q, k, v, g, beta, _ = _inputs(1, 200, 2, 4, 64, 32, seed=2)
+    states = _inputs(1, 1, 1, 4, 64, 32, seqs=4, seed=3)[-1]
+    o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=states, output_final_state=True,
+                                          cu_seqlens=jnp.asarray(cu), use_qk_l2norm_in_kernel=True, interpret=True)
+    for n in range(4):
+        a, b = cu[n], cu[n + 1]
+        if a == b:
+            np.testing.assert_array_equal(np.asarray(final[n]), states[n])
+            continue
+        part = lambda x: x[:, a:b]
+        want_o, want_state = _torch(torch_chunk_gated_delta_rule, part(q), part(k), part(v), part(g), part(beta),
+                                    states[n:n + 1])
+        assert _error(o[:, a:b], want_o) <= FP32_TOLERANCE, n
+        assert _error(final[n:n + 1], want_state) <= FP32_TOLERANCE, n
+
+
+def test_kernel_passes_the_tpu_interpreter():
+    """Races, out-of-bounds copies and reads of uninitialised memory (NaN) over packed sequences
+    whose chunks run past the live ones (the static bound of chunks exceeds the sequences')."""
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    cu = jnp.asarray([0, 10, 80, 90], jnp.int32)
+    q, k, v, g, beta, states = _inputs(1, 90, 1, 2, 128, 128, seqs=3, seed=4)
+    o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=states, output_final_state=True,
+                                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True, interpret=params)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    assert bool(jnp.isfinite(o).all()) and bool(jnp.isfinite(final).all())
+    want_o, _ = _torch(torch_chunk_gated_delta_rule, q[:, 10:80], k[:, 10:80], v[:, 10:80], g[:, 10:80],
+                       beta[:, 10:80], states[1:2])
+    assert _error(o[:, 10:80], want_o) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
+def test_compiles_for_tpu(generation):
+    """libtpu compiles the kernel at Qwen3.5's linear-attention head dims (128, bf16 inputs) within VMEM."""
+    fn = lambda q, k, v, g, b, h0: ops.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0,
+                                                              output_final_state=True,
+                                                              use_qk_l2norm_in_kernel=True, interpret=False)
+    tokens, hk, hv, d = 1024, 2, 4, 128
+    specs = [((1, tokens, hk, d), jnp.bfloat16)] * 2 + [((1, tokens, hv, d), jnp.bfloat16),
+                                                       ((1, tokens, hv), jnp.float32), ((1, tokens, hv), jnp.bfloat16),
+                                                       ((1, hv, d, d), jnp.float32)]
+    report = tpu_compile.compile_for(fn, specs, generation, "gated_delta_rule")
+    (kernel,) = report.kernels.values()
+    assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(k=(1, 20, 2, 8)), "k has shape (1, 20, 2, 8), expected q's"),
+    (dict(v=(1, 19, 2, 8)), "v has shape (1, 19, 2, 8)"),
+    (dict(v=(1, 20, 3, 8)), "v's 3 heads are not a multiple of q's and k's 2"),
+    (dict(g=(1, 20, 3)), "g has shape (1, 20, 3)"),
+    (dict(beta=(1, 20)), "beta has shape (1, 20)"),
+    (dict(initial_state=(1, 2, 8, 16)), "initial_state has shape (1, 2, 8, 16), expected [1, 2, 16, 8]"),
+    (dict(cu_seqlens=np.array([0, 5, 3, 20])), "cu_seqlens must rise from 0 to the 20 tokens"),
+    (dict(cu_seqlens=np.array([0, 5, 19])), "cu_seqlens must rise from 0 to the 20 tokens"),
+    (dict(cu_seqlens=np.array([0, 5, 20]), initial_state=(1, 2, 16, 8)), "initial_state has shape (1, 2, 16, 8), "
+                                                                         "expected [2, 2, 16, 8]"),
+])
+def test_bad_input_names_the_argument(change, message):
+    shapes = dict(q=(1, 20, 2, 16), k=(1, 20, 2, 16), v=(1, 20, 2, 8), g=(1, 20, 2), beta=(1, 20, 2), initial_state=None)
+    args = {name: (np.zeros(shape, np.float32) if shape is not None else None) for name, shape in shapes.items()}
+    for name, value in change.items():
+        args[name] = np.zeros(value, np.float32) if isinstance(value, tuple) else value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ops.chunk_gated_delta_rule(interpret=True, **args)
