@@ -47,6 +47,45 @@ def _column(row, eye):
     return jnp.sum(eye * row, axis=1, keepdims=True)
 
 
+def _chunk(q_ref, k_ref, v_ref, gb_ref, o_ref, state_ref, h, *, scale, l2norm, chunk):
+    """One head's chunk: its output rows, and its state carried to the next chunk."""
+    q = q_ref[h].astype(F32)
+    k = k_ref[h].astype(F32)
+    v = v_ref[h].astype(F32)
+    if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
+    q = q * scale
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    eye = (rows == cols).astype(F32)
+    # G as a row: g times the upper-triangular ones (G_j = sum over m <= j of g_m).
+    gb = gb_ref[h, 0]
+    cum_row = _dot(gb[0:1], (rows <= cols).astype(F32))
+    cum_col = _column(cum_row, eye)
+    beta = _column(gb[1:2], eye)
+    causal = rows >= cols
+    # exp of masked differences only: above the diagonal G_i - G_j > 0 can overflow.
+    decay = jnp.exp(jnp.where(causal, cum_col - cum_row, -jnp.inf))
+    k_beta = k * beta
+    n = jnp.where(rows > cols, _dot(k_beta, k, ((1,), (1,))) * decay, 0.0)
+    inverse = eye - n
+    power = n
+    for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
+        power = _dot(power, power)
+        inverse = _dot(inverse, eye + power)
+    u = _dot(inverse, v * beta)
+    w = _dot(inverse, k_beta * jnp.exp(cum_col))
+    state = state_ref[h]
+    v_new = u - _dot(w, state)
+    scores = _dot(q, k, ((1,), (1,))) * decay
+    o = _dot(q * jnp.exp(cum_col), state) + _dot(scores, v_new)
+    o_ref[h] = o.astype(o_ref.dtype)
+    total = cum_row[:, chunk - 1:chunk]  # [1, 1]: G at the chunk's last token
+    k_decayed = k * jnp.exp(total - cum_col)
+    state_ref[h] = state * jnp.exp(total) + _dot(k_decayed, v_new, ((0,), (0,)))
+
+
 def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
                   q_ref, k_ref, v_ref, gb_ref, h0_ref,  # inputs
                   o_ref, ht_ref,  # outputs
@@ -57,7 +96,7 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
 
     @pl.when(first_ref[c] == 1)
     def _():
-        state_ref[...] = h0_ref[0, 0].astype(F32)
+        state_ref[...] = h0_ref[...].astype(F32)
 
     @pl.when(jnp.logical_not(live))
     def _():
@@ -65,75 +104,48 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
 
     @pl.when(live)
     def _():
-        q = q_ref[0].astype(F32)
-        k = k_ref[0].astype(F32)
-        v = v_ref[0].astype(F32)
-        if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
-            q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
-            k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
-        q = q * scale
-        rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-        cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-        eye = (rows == cols).astype(F32)
-        # G as a row: g times the upper-triangular ones (G_j = sum over m <= j of g_m).
-        gb = gb_ref[0, 0]
-        cum_row = _dot(gb[0:1], (rows <= cols).astype(F32))
-        cum_col = _column(cum_row, eye)
-        beta = _column(gb[1:2], eye)
-        causal = rows >= cols
-        # exp of masked differences only: above the diagonal G_i - G_j > 0 can overflow.
-        decay = jnp.exp(jnp.where(causal, cum_col - cum_row, -jnp.inf))
-        k_beta = k * beta
-        n = jnp.where(rows > cols, _dot(k_beta, k, ((1,), (1,))) * decay, 0.0)
-        inverse = eye - n
-        power = n
-        for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
-            power = _dot(power, power)
-            inverse = _dot(inverse, eye + power)
-        u = _dot(inverse, v * beta)
-        w = _dot(inverse, k_beta * jnp.exp(cum_col))
-        state = state_ref[...]
-        v_new = u - _dot(w, state)
-        scores = _dot(q, k, ((1,), (1,))) * decay
-        o = _dot(q * jnp.exp(cum_col), state) + _dot(scores, v_new)
-        o_ref[0] = o.astype(o_ref.dtype)
-        total = cum_row[:, chunk - 1:chunk]  # [1, 1]: G at the chunk's last token
-        k_decayed = k * jnp.exp(total - cum_col)
-        state_ref[...] = state * jnp.exp(total) + _dot(k_decayed, v_new, ((0,), (0,)))
+        # The heads of a block are independent chains of small matmuls: unrolled, their MXU
+        # latencies overlap.
+        for h in range(q_ref.shape[0]):
+            _chunk(q_ref, k_ref, v_ref, gb_ref, o_ref, state_ref, h, scale=scale, l2norm=l2norm, chunk=chunk)
 
     @pl.when(last_ref[c] == 1)
     def _():
-        ht_ref[0, 0] = state_ref[...]
+        ht_ref[...] = state_ref[...]
 
 
-@functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "chunk", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "chunk", "heads_per_step", "out_dtype",
+                                             "interpret"))
 def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool,
-                  chunk: int, out_dtype, interpret: bool):
+                  chunk: int, heads_per_step: int, out_dtype, interpret: bool):
     """q, k [H, P, dk], v [H, P, dv] in chunk layout (P = chunks * chunk tokens), gb [H, chunks,
-    2, chunk] fp32 (g, then beta: one block whose two rows fill its tile's lanes), h0 [num_seqs, H, dk, dv] (fp32); seq, first, last int32 [chunks].
-    Returns o [H, P, dv] (out_dtype) and the final states [num_seqs, H, dk, dv] (fp32); a
-    sequence with no chunk keeps whatever its final state block held (ops.py substitutes h0)."""
+    2, chunk] fp32 (g, then beta: one block whose two rows fill its tile's lanes), h0 [num_seqs,
+    H, dk, dv] fp32; seq, first, last int32 [chunks]. A grid step takes `heads_per_step` heads
+    (a divisor of H) of one chunk. Returns o [H, P, dv] (out_dtype) and the final states
+    [num_seqs, H, dk, dv] (fp32); a sequence with no chunk keeps whatever its final state block
+    held (ops.py substitutes h0)."""
     heads, padded, dk = q.shape
     dv = v.shape[-1]
     chunks = padded // chunk
+    hb = heads_per_step
     seq_block = lambda h, c, seq, first, last: (jnp.maximum(seq[c], 0), h, 0, 0)
     tokens = lambda h, c, *_: (h, c, 0)
     per_chunk = lambda h, c, *_: (h, c, 0, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(heads, chunks),
+        grid=(heads // hb, chunks),
         in_specs=[
-            pl.BlockSpec((1, chunk, dk), tokens),
-            pl.BlockSpec((1, chunk, dk), tokens),
-            pl.BlockSpec((1, chunk, dv), tokens),
-            pl.BlockSpec((1, 1, 2, chunk), per_chunk),
-            pl.BlockSpec((1, 1, dk, dv), seq_block),
+            pl.BlockSpec((hb, chunk, dk), tokens),
+            pl.BlockSpec((hb, chunk, dk), tokens),
+            pl.BlockSpec((hb, chunk, dv), tokens),
+            pl.BlockSpec((hb, 1, 2, chunk), per_chunk),
+            pl.BlockSpec((None, hb, dk, dv), seq_block),
         ],
         out_specs=[
-            pl.BlockSpec((1, chunk, dv), tokens),
-            pl.BlockSpec((1, 1, dk, dv), seq_block),
+            pl.BlockSpec((hb, chunk, dv), tokens),
+            pl.BlockSpec((None, hb, dk, dv), seq_block),
         ],
-        scratch_shapes=[pltpu.VMEM((dk, dv), F32)],
+        scratch_shapes=[pltpu.VMEM((hb, dk, dv), F32)],
     )
     kernel = functools.partial(_chunk_kernel, scale=scale, l2norm=l2norm, chunk=chunk)
     return pl.pallas_call(

@@ -11,6 +11,7 @@ is computed in fp32.
 
 from __future__ import annotations
 
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from ._shared.generations import default_interpret
 from .kernel import chunk_forward
 
 CHUNK = 64  # tokens per chunk: fla's and transformers' reference's
+HEADS_PER_STEP = 4  # heads a grid step takes, when H allows (see kernel._chunk_kernel)
 
 
 def _shape_error(name: str, got, want: str):
@@ -91,7 +93,7 @@ def chunk_layout(cu_seqlens, tokens: int, seqs: int, chunk: int):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size: int = CHUNK,
-                           interpret=None):
+                           heads_per_step: int | None = None, interpret=None):
     seqs = check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     batch, tokens, hk, dk = q.shape
     hv, dv = v.shape[2:]
@@ -117,7 +119,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     h0 = (jnp.zeros((seqs, hv, dk, dv), jnp.float32) if initial_state is None
           else jnp.asarray(initial_state, jnp.float32))
     o, final = chunk_forward(seq, first, last, qc, kc, chunked(v), gb, h0, num_seqs=seqs, scale=scale,
-                             l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size, out_dtype=q.dtype,
+                             l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size,
+                             heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), out_dtype=q.dtype,
                              interpret=interpret)
     o = jnp.zeros((total, hv, dv), q.dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
     o = o.reshape(batch, tokens, hv, dv)
