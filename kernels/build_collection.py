@@ -24,6 +24,7 @@ import argparse
 import ast
 import hashlib
 import json
+import os
 import shutil
 import tomllib
 from pathlib import Path
@@ -156,6 +157,17 @@ def make_hub_cache(trees: dict[str, Path], cache: Path) -> dict[str, str]:
         shutil.copytree(tree, repo_dir / "snapshots" / commit)
         commits[kernel["repo-id"]] = commit
     return commits
+
+
+def load_from_hub(keys: list[str], out_root: Path) -> dict:
+    """Builds the kernels `keys` into out_root, lays them out as the Hub cache that `kernels` reads
+    (KERNELS_CACHE, set before `kernels` is first imported) and loads each with get_kernel at its
+    manifest's version, offline, as users load it: {key: module}."""
+    make_hub_cache(build_all(out_root, keys), Path(os.environ["KERNELS_CACHE"]))
+    from kernels import get_kernel
+
+    manifest = load_manifest()["kernels"]
+    return {key: get_kernel(manifest[key]["repo-id"], version=manifest[key]["version"]) for key in keys}
 
 
 def main():

@@ -10,9 +10,7 @@ reference's writes everywhere. Bad index values are errors naming the argument o
 and NaN outputs on the device branch, and in both cases the caches are left untouched."""
 
 import functools
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,11 +23,7 @@ REPO = KERNELS["flash_attention"]["repo-id"]
 
 @pytest.fixture(scope="module")
 def flash(tmp_path_factory):
-    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["flash_attention"])
-    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
-    from kernels import get_kernel
-
-    return get_kernel(REPO, version=KERNELS["flash_attention"]["version"])
+    return build_collection.load_from_hub(["flash_attention"], tmp_path_factory.mktemp("build"))["flash_attention"]
 
 
 def reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table=None, cache_batch_idx=None, causal=False,

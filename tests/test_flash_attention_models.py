@@ -5,9 +5,7 @@ without padding, greedy tokens, parameter gradients, continuous batching,
 torch.compile."""
 
 import copy
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,11 +38,7 @@ def kernel(tmp_path_factory):
     """Our flash attention, built and laid out as a Hub cache; transformers
     loads it from there (offline mode skips the Hub's trust check, which
     online needs `allow_all_kernels=True`). Calls to its op are counted."""
-    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["flash_attention"])
-    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
-    from kernels import get_kernel
-
-    module = get_kernel(REPO, version=1)
+    module = build_collection.load_from_hub(["flash_attention"], tmp_path_factory.mktemp("build"))["flash_attention"]
     torch_ops = sys.modules[module.__name__ + ".torch_ops"]
     op = torch_ops.attention_op
 

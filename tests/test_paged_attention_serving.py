@@ -6,9 +6,7 @@ get_kernel as users load it; so are the MoE families' experts (ragged-dot-tpu). 
 by our loop: transformers' continuous batching cannot size its cache (head_dim differs per layer)."""
 
 import copy
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,12 +42,8 @@ CALLS = []
 
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory):
-    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["paged_attention", "ragged_dot"])
-    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
-    from kernels import get_kernel
-
-    module = get_kernel(REPO, version=KERNELS["paged_attention"]["version"])
-    experts = get_kernel(KERNELS["ragged_dot"]["repo-id"], version=KERNELS["ragged_dot"]["version"])
+    loaded = build_collection.load_from_hub(["paged_attention", "ragged_dot"], tmp_path_factory.mktemp("build"))
+    module, experts = loaded["paged_attention"], loaded["ragged_dot"]
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS, experts.experts_forward)
     torch_ops = sys.modules[module.__name__ + ".torch_ops"]
     op = torch_ops.attention_op

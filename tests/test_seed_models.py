@@ -8,9 +8,7 @@ Serving Gemma 4 on paged attention: test_paged_attention_serving.py; the 2-proce
 plans: test_multichip.py."""
 
 import copy
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,12 +28,8 @@ CALLS = {"attention": 0, "experts": 0}
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """Both kernels built, laid out as a Hub cache and loaded with get_kernel; each call counted."""
-    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["ragged_dot", "flash_attention"])
-    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
-    from kernels import get_kernel
-
-    experts = get_kernel(KERNELS["ragged_dot"]["repo-id"], version=KERNELS["ragged_dot"]["version"])
-    attention = get_kernel(ATTENTION, version=KERNELS["flash_attention"]["version"])
+    loaded = build_collection.load_from_hub(["ragged_dot", "flash_attention"], tmp_path_factory.mktemp("build"))
+    experts, attention = loaded["ragged_dot"], loaded["flash_attention"]
 
     def experts_forward(*args):
         CALLS["experts"] += 1

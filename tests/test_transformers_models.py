@@ -3,7 +3,6 @@ forward serves: its logits, greedy tokens and parameter gradients against
 the eager experts implementation."""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -132,12 +131,7 @@ def hub_experts(tmp_path_factory):
     from pathlib import Path
 
     import build_collection
-    from kernels import get_kernel
-
-    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
-    trees = build_collection.build_all(tmp_path_factory.mktemp("build"), ["ragged_dot"])
-    build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))  # conftest's
-    module = get_kernel(kernel["repo-id"], version=kernel["version"])
+    module = build_collection.load_from_hub(["ragged_dot"], tmp_path_factory.mktemp("build"))["ragged_dot"]
     torch_ops = sys.modules[module.__name__ + ".torch_ops"]
     op, calls = torch_ops.experts_forward_op, []
 
