@@ -70,10 +70,33 @@ MOE_SHAPES = [
     MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, gpt_oss_layout=True),
     MoeShape("gpt-oss-120b", 2880, 2880, 128, 4, gpt_oss_layout=True),
     MoeShape("DeepSeek-V3", 7168, 2048, 256, 8),
+    # hidden 2112 and intermediate 704, not multiples of 128: the model card's config as listed by
+    # apxml.com/models/gemma-4-26b-a4b (the Hub is unreachable from here).
+    MoeShape("Gemma 4 26B-A4B", 2112, 704, 128, 8),
+    # transformers 5.22's Qwen3_5MoeTextConfig defaults, documented as Qwen/Qwen3.5-35B-A3B's.
+    MoeShape("Qwen3.5-35B-A3B", 2048, 512, 256, 8),
 ]
 # Tokens per step. "small-decode": few rows per active expert (the decode
 # bytes goal's regime); "decode": 64 sequences.
 PHASES = {"small-decode": 16, "decode": 64, "prefill": 8192}
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replaces the file whole: a run stopped mid-write leaves the old one."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def traced_on_target(fn, generation: str):
+    """fn traced with the generation's device as jax's default, as `tpu_compile.compile_for` traces
+    it: the experts then take their weights in the layouts that chip holds them in
+    (`ragged_dot.ops.stored_order`: Gemma 4's unaligned weights are held transposed), so the
+    grouped matmuls traced, walked and looked up are those a user's TPU runs."""
+    def traced(*args):
+        with jax.default_device(tpu_compile.device_for(generation)):
+            return fn(*args)
+    return traced
 
 
 def routing(shape: MoeShape, tokens: int, seed: int = 0) -> np.ndarray:
@@ -93,6 +116,17 @@ def matmuls(shape: MoeShape):
 # forward y = x w^T, the activations' gradient dx = dy w, and the weights'
 # gradient dw[g] = dy[rows g]^T x[rows g] (x^T dy in gpt-oss's layout).
 PASSES = ("fwd", "dx", "dw")
+
+
+def kernel_layout(shape: MoeShape, matmul, generation: str) -> bool:
+    """Whether the kernel takes this matmul's weights as [G, K, N] (gpt-oss's layout): the model's
+    layout, swapped where the chip holds the weights transposed and the experts view them as held
+    (`ragged_dot.ops.as_stored`: Gemma 4's gate_up_proj)."""
+    _, k, n = matmul
+    weights = (shape.experts, k, n) if shape.gpt_oss_layout else (shape.experts, n, k)
+    from ragged_dot import ops
+    order = traced_on_target(lambda: ops.stored_order(weights, jnp.bfloat16), generation)()
+    return shape.gpt_oss_layout != (order == (0, 2, 1))
 
 
 def pass_operands(pass_name: str, rows: int, k: int, n: int, groups: int, gpt_oss_layout: bool):
@@ -289,12 +323,13 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
     rows = tokens * shape.top_k
     sizes = routing(shape, tokens)
     gen = GENERATIONS[generation]
-    a_shape, b_shape = pass_operands(pass_name, rows, k, n, shape.experts, shape.gpt_oss_layout)
+    layout = kernel_layout(shape, matmul, generation)
+    a_shape, b_shape = pass_operands(pass_name, rows, k, n, shape.experts, layout)
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16), jnp.asarray(sizes))
     active = int((sizes > 0).sum())
     out_elems = shape.experts * k * n if pass_name == "dw" else rows * (k if pass_name == "dx" else n)
     in_elems = rows * (k + n) if pass_name == "dw" else rows * a_shape[1] + active * k * n
-    impls, at_tiling = implementations(pass_name, generation, a_shape, b_shape, shape.experts, shape.gpt_oss_layout)
+    impls, at_tiling = implementations(pass_name, generation, a_shape, b_shape, shape.experts, layout)
     walks = {}  # megablox's walk per tiling: tokamax's is the same grid
 
     def measure(impl, fn, vmem_limit, tiling, *rhs_shape) -> dict:

@@ -98,7 +98,7 @@ def grouped_matmuls(shape: bench.MoeShape, tokens: int, generation: str, trainin
 
     fn = jax.grad(loss, argnums=(0, 3, 4)) if training else forward
     with recording_calls() as calls:
-        jax.eval_shape(fn, *experts_specs(shape, tokens))
+        jax.eval_shape(bench.traced_on_target(fn, generation), *experts_specs(shape, tokens))
     return list(dict.fromkeys(calls))
 
 
@@ -144,13 +144,6 @@ def schedule_key(call, blocks, dtype) -> str:
                        list(blocks.__dict__.values()), jnp.dtype(dtype).name])
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replaces the file whole: a tuning run stopped mid-write leaves the old one."""
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(text)
-    partial.replace(path)
-
-
 def schedule_cache(generation: str) -> dict:
     file = RESULTS / f"schedules_{generation}.json"
     return json.loads(file.read_text()) if file.exists() else {}
@@ -171,7 +164,7 @@ def cached_schedule(cache: dict, fn, args, call, blocks, generation):
             if HBM_OOM in error:  # this entry's operands overflow the chip, whatever the tiling: not the tiling's fault
                 raise
             cache[key] = dict(error=error)
-        write_atomically(file, json.dumps(cache, indent=0, sort_keys=True))
+        bench.write_atomically(file, json.dumps(cache, indent=0, sort_keys=True))
     entry = cache[key]
     return (tpu_schedule.from_dict(entry["schedule"]), entry["vmem_used"]) if "schedule" in entry else (None, None)
 
@@ -332,7 +325,7 @@ def fit(generation: str) -> dict:
                   mean_abs_error=float(np.abs(errors).mean()),
                   fitted={" ".join(map(str, key)): fields for key, fields in fitted.items()})
     # JSON keys are strings: the table keys rows per pass as ints again (`load_fit`).
-    write_atomically(fit_file(generation), json.dumps(record, indent=1))
+    bench.write_atomically(fit_file(generation), json.dumps(record, indent=1))
     return record
 
 
@@ -476,7 +469,7 @@ def write_table(path: Path = TABLE) -> None:
             lines.append("    },")
         lines.append("}")
         lines.append("")
-    write_atomically(path, "\n".join(lines))
+    bench.write_atomically(path, "\n".join(lines))
 
 
 def main(argv=None) -> int:
@@ -511,7 +504,7 @@ def main(argv=None) -> int:
                     record = tune_call(shape, tokens, call, generation)
                     done.add(key)
                     done_records = [r for r in done_records if (r["kind"], tuple(r["key"])) != key] + [record]
-                    write_atomically(file, json.dumps(done_records, indent=1))
+                    bench.write_atomically(file, json.dumps(done_records, indent=1))
                     write_table()
                     outcome = (f"{record['blocks']} {record['modeled_us']:.1f} us (rule {record['rule_modeled_us']})"
                                if "blocks" in record else "does not fit the chip's HBM: no entry")

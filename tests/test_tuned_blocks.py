@@ -84,13 +84,15 @@ def test_models_look_up_the_table_and_the_bench_benches_those_keys(shape):
         assert key in table[generation], (call, key)
         traced.add((table is tuning.TUNED, key))
     benched = set()
-    for _, k, n in bench.matmuls(shape):
+    for matmul in bench.matmuls(shape):
+        _, k, n = matmul
+        layout = bench.kernel_layout(shape, matmul, generation)
         for pass_name in bench.PASSES:
-            a, b = bench.pass_operands(pass_name, rows, k, n, shape.experts, shape.gpt_oss_layout)
+            a, b = bench.pass_operands(pass_name, rows, k, n, shape.experts, layout)
             if pass_name == "dw":
                 benched.add((False, (rows, a[1], b[1], shape.experts, 2)))
             else:
-                transpose = (pass_name == "fwd") != shape.gpt_oss_layout
+                transpose = (pass_name == "fwd") != layout
                 benched.add((True, (rows, a[1], b[1] if transpose else b[2], shape.experts, 2)))
     assert benched == traced
 
