@@ -300,15 +300,9 @@ ATTENTION_KINDS = ("splash", "tokamax_attention")
 
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_calibration(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomically(out / "calibration.json", json.dumps(rows, indent=1) + "\n")
+    bench.write_atomically(out / "calibration.json", json.dumps(rows, indent=1) + "\n")
     def summary(label, group):
         ratios = np.array([r["ratio"] for r in group])
         within = sum(1 / TARGET <= x <= TARGET for x in ratios)
@@ -390,7 +384,7 @@ def write_calibration(rows: list[dict], out: Path) -> None:
             f"{r.get('head_dim_qk', '')}/{r.get('head_dim_v', '')}, measured {r['measured_ms']} ms: {r['error']}" for r in failed]
     lines += ["", "Sources:", ""] + [f"- {s}" for s in dict.fromkeys(r["source"] for r in rows + failed)]
     lines += ["", WHY_OFF]
-    _write_atomically(out / "calibration.md", "\n".join(lines) + "\n")
+    bench.write_atomically(out / "calibration.md", "\n".join(lines) + "\n")
 
 
 WHY_OFF = """\

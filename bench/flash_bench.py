@@ -39,6 +39,7 @@ tpu_compile.configure_environment()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import bench  # noqa: E402  (write_atomically)
 import grid_walk  # noqa: E402
 import pipeline  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
@@ -421,11 +422,11 @@ def write_markdown(results: list[dict], path: Path) -> None:
                      f"| {r['vmem_used'] / 2**20:.1f} | {r['grid_steps']} | {fmt(r, 'mxu_vs_causal', '.2f')} "
                      f"| {fmt(r, 'kv_reads_vs_query_blocks', '.2f')} | {fmt(r, 'compute_us')} | {fmt(r, 'dma_us')} "
                      f"| {fmt(r, 'around_us')} | {fmt(r, 'modeled_us')} | {fmt(r, 'vs_roofline', '.1f')} |")
-    path.write_text("\n".join(lines) + "\n")
+    bench.write_atomically(path, "\n".join(lines) + "\n")
 
 
 def _write(results: list[dict], out: Path) -> None:
-    (out / "flash_attention.json").write_text(json.dumps(results, indent=1))
+    bench.write_atomically((out / "flash_attention.json"), json.dumps(results, indent=1))
     write_markdown(results, out / "flash_attention.md")
 
 

@@ -41,6 +41,7 @@ import sys
 import time
 
 import flash_bench  # sets up sys.path and the CPU / libtpu environment
+import bench  # noqa: E402  (write_atomically)
 
 from flash_attention import kernel, tuning  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
@@ -211,7 +212,7 @@ def write_table() -> None:
             lines.append(f"        {tuple(record['key'])}: {table_value(record)},  # {record['vmem_used'] / 2**20:.1f} MiB")
         lines.append("    },")
     lines.append("}")
-    TABLE.write_text("\n".join(lines) + "\n")
+    bench.write_atomically(TABLE, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
                         print(f"{generation} d={d} G={g} {t} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
                         reference = records.get(reference_key(d, g, t))
                         records[(d, g, t)] = tune_entry(d, g, t, generation, reference)
-                    path.write_text(json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
+                    bench.write_atomically(path, json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")
     return 0

@@ -47,6 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import bench  # noqa: E402  (write_atomically)
 import grid_walk  # noqa: E402
 from flash_bench import AttentionShape  # noqa: E402  (options: ragged_paged_attention's keywords here)
 import pipeline  # noqa: E402
@@ -537,7 +538,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
                      f"| {r['vmem_used'] / 2**20:.1f} "
                      f"| {r['grid_steps']} | {r['hbm_vs_held']:.3f} | {r['compute_us']:.0f} | {r['dma_us']:.0f} "
                      f"| {r['around_us']:.0f} | {r['modeled_us']:.0f} | {r['floor_us']:.0f} |")
-    path.write_text("\n".join(lines) + "\n")
+    bench.write_atomically(path, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -567,7 +568,7 @@ def main(argv=None) -> int:
                           f"{cache}: {row.get('modeled_us', row.get('error'))}", flush=True)
                     rows.append(row)
                     # Rewritten after every row, so a long run interrupted still leaves a table.
-                    (args.out / "paged_attention.json").write_text(json.dumps(rows, indent=1))
+                    bench.write_atomically((args.out / "paged_attention.json"), json.dumps(rows, indent=1))
                     write_markdown(rows, args.out / "paged_attention.md")
     print(f"wrote {args.out / 'paged_attention.md'}: MODELED figures, not TPU measurements")
     return 0

@@ -27,6 +27,7 @@ import sys
 import time
 
 import paged_bench  # sets up sys.path and the CPU / libtpu environment
+import bench  # noqa: E402  (write_atomically)
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -122,7 +123,7 @@ def write_table() -> None:
             lines.append(f"        {tuple(r['key'])}: {value},  # {vmem / 2**20:.1f} MiB")
         lines.append("    },")
     lines.append("}")
-    TABLE.write_text("\n".join(lines) + "\n")
+    bench.write_atomically(TABLE, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
                     print(f"{generation} d={d} page {page_size} {dtype} ({time.perf_counter() - start:.0f} s)",
                           flush=True)
                     records[(d, page_size, dtype)] = tune_entry(d, page_size, dtype, generation)
-                    path.write_text(json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
+                    bench.write_atomically(path, json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")
     return 0

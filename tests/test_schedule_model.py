@@ -10,6 +10,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+import bench
 import calibration
 import grid_walk
 import pipeline
@@ -196,13 +197,13 @@ def test_headline_baselines_do_the_same_work():
     doing less work would flatter them."""
     import headline
 
-    h = headline.Headline("tiny", 256, 128, 8, 2, "silu", 0.0, "test")
-    hidden, index, weights, up, down = headline.inputs(h)
+    h = headline.Headline(bench.MoeShape("tiny", 256, 128, 8, 2), "silu")
+    hidden, index, weights, up, down = headline.inputs(h, tokens=64)
     rng = np.random.default_rng(1)
     data = lambda spec, scale: jnp.asarray(rng.standard_normal(spec.shape) * scale, jnp.bfloat16)
     args = (data(hidden, 1.0), index, jnp.asarray(rng.random(weights.shape), jnp.bfloat16),
             data(up, 256 ** -0.5), data(down, 128 ** -0.5))
-    impls = headline.implementations(h, np.asarray(index), interpret=True)
+    impls = headline.implementations(h, np.asarray(index), "v6e", interpret=True)
     want = np.asarray(impls.pop("ours")(*args), np.float32)
     scale = np.abs(want).max()
     for name, fn in impls.items():
@@ -210,7 +211,7 @@ def test_headline_baselines_do_the_same_work():
         np.testing.assert_allclose(np.asarray(fn(*args), np.float32), want, atol=4 * 2**-8 * scale, err_msg=name)
     # The expert-parallel row models one chip's share: the eight chips' shares sum to the whole.
     local = h.experts // headline.CHIPS
-    shares = [headline.expert_parallel_per_chip(h, args, shard, interpret=True)[0](
+    shares = [headline.expert_parallel_per_chip(h, args, "v6e", shard, interpret=True)[0](
         *args[:3], args[3][shard * local:(shard + 1) * local], args[4][shard * local:(shard + 1) * local])
         for shard in range(headline.CHIPS)]
     total = np.sum([np.asarray(part, np.float32) for part in shares], axis=0)
