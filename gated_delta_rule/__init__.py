@@ -1,5 +1,13 @@
 """gated-delta-rule-tpu: the gated delta rule (Gated DeltaNet's linear attention, as in Qwen3.5
-and Qwen3-Next) as Pallas TPU kernels.
+and Qwen3-Next) as Pallas TPU kernels, callable from torch (CPU runs them in interpret mode).
 
 JAX users: `from <package>.ops import chunk_gated_delta_rule`.
 """
+
+from ._shared.dependencies import require_jax
+
+require_jax("gated-delta-rule-tpu")
+
+from .torch_ops import chunk_gated_delta_rule  # noqa: E402  (after the jax check)
+
+__all__ = ["chunk_gated_delta_rule"]

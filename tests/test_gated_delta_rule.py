@@ -162,3 +162,51 @@ def test_bad_input_names_the_argument(change, message):
         args[name] = np.zeros(value, np.float32) if isinstance(value, tuple) else value
     with pytest.raises(ValueError, match=re.escape(message)):
         ops.chunk_gated_delta_rule(interpret=True, **args)
+
+
+def test_torch_entry_point_as_transformers_calls_it():
+    """The torch layer (what get_kernel loads) with the arguments transformers' Qwen3.5 passes:
+    q, k, v positional, int64 cu_seqlens packing three sequences, per-sequence states, its other
+    attention kwargs alongside; each sequence against the reference run on it alone. The bf16 call
+    gives the same result rounded once."""
+    from gated_delta_rule import torch_ops
+
+    cu = np.array([0, 50, 51, 120])
+    q, k, v, g, beta, _ = _inputs(1, 120, 1, 2, 32, 16, seed=4)
+    states = _inputs(1, 1, 1, 2, 32, 16, seqs=3, seed=5)[-1]
+    t = torch.from_numpy
+    o, final = torch_ops.chunk_gated_delta_rule(
+        t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(states), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=t(cu), position_ids=None)
+    assert o.dtype == torch.float32 and final.dtype == torch.float32
+    for n in range(3):
+        a, b = cu[n], cu[n + 1]
+        part = lambda x: x[:, a:b]
+        want_o, want_state = _torch(torch_chunk_gated_delta_rule, part(q), part(k), part(v), part(g), part(beta),
+                                    states[n:n + 1])
+        assert _error(o[:, a:b].numpy(), want_o) <= FP32_TOLERANCE, n
+        assert _error(final[n:n + 1].numpy(), want_state) <= FP32_TOLERANCE, n
+    bf16 = lambda x: t(x).to(torch.bfloat16)
+    o16, none = torch_ops.chunk_gated_delta_rule(bf16(q), bf16(k), bf16(v), t(g), bf16(beta),
+                                                 cu_seqlens=t(cu), use_qk_l2norm_in_kernel=True)
+    assert none is None and o16.dtype == torch.bfloat16
+    o32, _ = torch_ops.chunk_gated_delta_rule(*(bf16(x).float() for x in (q, k, v)), t(g), bf16(beta).float(),
+                                              cu_seqlens=t(cu), use_qk_l2norm_in_kernel=True)
+    assert _error(o16.float().numpy(), o32.numpy()) <= BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(k=torch.zeros(1, 20, 2, 16, dtype=torch.bfloat16)), TypeError, "k dtype torch.bfloat16 differs from q's"),
+    (dict(g=torch.zeros(1, 20)), ValueError, "g must have 3 dims, got shape (1, 20)"),
+    (dict(v=np.zeros((1, 20, 2, 8), np.float32)), TypeError, "v must be a torch.Tensor, got ndarray"),
+    (dict(cu_seqlens=torch.tensor([0.0, 20.0])), TypeError, "cu_seqlens must be one of ['int32', 'int64']"),
+    (dict(cu_seqlens=torch.tensor([0, 21])), ValueError, "cu_seqlens must rise from 0 to the 20 tokens, got [0, 21]"),
+    (dict(initial_state=torch.zeros(2, 2, 16, 8)), ValueError, "initial_state has shape (2, 2, 16, 8), expected [1,"),
+])
+def test_torch_entry_point_names_bad_arguments(change, error, message):
+    from gated_delta_rule import torch_ops
+
+    args = dict(q=torch.zeros(1, 20, 2, 16), k=torch.zeros(1, 20, 2, 16), v=torch.zeros(1, 20, 2, 8),
+                g=torch.zeros(1, 20, 2), beta=torch.zeros(1, 20, 2)) | change
+    with pytest.raises(error, match=re.escape(message)):
+        torch_ops.chunk_gated_delta_rule(**args)
