@@ -190,9 +190,11 @@ def match_kernels(costs: list, schedules: dict) -> dict:
     return matched
 
 
-def program_seconds(costs: list, schedules: dict, generation: str, child_runs=None, profiles=None) -> dict:
+def program_seconds(costs: list, schedules: dict, generation: str, child_runs=None, profiles=None,
+                    group_sizes=None) -> dict:
     """A whole compiled program: each walked Pallas kernel through the
-    pipeline model, every other op as `around_seconds` counts it.
+    pipeline model, every other op as `around_seconds` counts it (XLA's
+    ragged dots over `group_sizes`).
     child_runs(cost, schedule) -> a kernel's `Schedule.step_cycles` child_runs;
     profiles: each kernel's KernelProfile, in the order of `costs`."""
     matched = match_kernels(costs, schedules)
@@ -200,7 +202,8 @@ def program_seconds(costs: list, schedules: dict, generation: str, child_runs=No
                             child_runs(cost, schedules[matched[i]]) if child_runs else None,
                             profiles[i] if profiles else None)
              for i, cost in enumerate(costs)]
-    around = around_seconds({op: s for op, s in schedules.items() if op not in matched.values()}, generation)
+    around = around_seconds({op: s for op, s in schedules.items() if op not in matched.values()}, generation,
+                            group_sizes)
     kernels = sum(p["modeled"] for p in parts)
     return {
         "modeled": kernels + around,
@@ -214,14 +217,35 @@ def program_seconds(costs: list, schedules: dict, generation: str, child_runs=No
     }
 
 
-def around_seconds(other_ops: dict, generation: str) -> float:
+def ragged_trips(schedule, group_sizes) -> int | None:
+    """Trips of an XLA ragged dot's loop over the given groups (`tpu_schedule.RaggedLoop`), or None
+    for another op, or where no sizes are given or they are not this loop's."""
+    if schedule.ragged_loop is None or group_sizes is None:
+        return None
+    return schedule.ragged_loop.trips(group_sizes)
+
+
+def around_seconds(other_ops: dict, generation: str, group_sizes=None) -> float:
     """XLA's ops around the kernel (routing metadata, sorts, gathers,
     padding), each run once: its scheduled cycles, or its HBM traffic at
     full bandwidth when that takes longer (the cycles do not show DMA
     waits). The traffic is what its DMAs move where the schedule fixes
-    their sizes and counts, else its HBM operands once each."""
+    their sizes and counts, else its HBM operands once each. XLA's own
+    ragged dots over `group_sizes` run their loop's trips (`ragged_trips`),
+    each trip's cycles and DMAs; other loops with a trip count known only
+    at run time are counted once (a lower bound)."""
     gen = GENERATIONS[generation]
-    traffic = lambda s: s.hbm_operand_bytes if s.hbm_dma_bytes is None else s.hbm_dma_bytes
     # An op that issues matmuls keeps the MXU-calibrated clock (no FLOPs are walked for XLA's ops).
     clock = lambda s: gen.clock_hz if s.matmuls else issue_clock_hz(generation)
-    return sum(max(s.total_cycles / clock(s), traffic(s) / gen.hbm_bytes_per_s) for s in other_ops.values())
+
+    def seconds(s):
+        trips = ragged_trips(s, group_sizes)
+        if trips is not None:  # total_cycles holds one trip
+            cycles = s.total_cycles + (trips - 1) * s.ragged_loop.iteration_cycles
+            traffic = trips * s.ragged_loop.iteration_hbm_bytes
+        else:
+            cycles = s.total_cycles
+            traffic = s.hbm_operand_bytes if s.hbm_dma_bytes is None else s.hbm_dma_bytes
+        return max(cycles / clock(s), traffic / gen.hbm_bytes_per_s)
+
+    return sum(seconds(s) for s in other_ops.values())

@@ -21,6 +21,12 @@ The format, as libtpu 0.0.52 prints it:
   (a `pl.when` body, or the pipeline's compute stage).
 - A static loop's trip count is the immediate of its `loop exit test`
   compare; a loop whose bound is a register (a dynamic grid) has none.
+- XLA's own ragged dot (`jax.lax.ragged_dot`) is one loop over a flattened
+  (row tile, group, column tile...) space whose index jumps past the pairs
+  of a row tile and a group that share no row: its back branch compares the
+  index with the space's size plus the pipeline's stages, untagged. It runs
+  one trip per pair that shares rows (times the other dims), so its count
+  depends on the group sizes (`RaggedLoop.trips`).
 
 For a Pallas kernel the outermost loop is the grid loop: Mosaic flattens
 the grid into it and software-pipelines it, so it runs grid steps + 2
@@ -43,6 +49,8 @@ _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(LB|LH|LE|PB|PF|CT):|\s*:)\s*(
 _BRANCH = re.compile(r"sbr\.rel\s*(?:\([^)]*\))?\s*target = \$region(\d+)")
 _REGION_START = re.compile(r"(?:Start region|Start/End empty region) (\d+)\b")
 _EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %\w+, (\d+) /\* loop exit test")
+_RAGGED_BOUND = re.compile(r"scmp\.ge\.s32\.totalorder %\w+, (\d+) \} /\* End region")
+_CLAMP = re.compile(r"smov\.u32 \([!%\w]+, %\w+\), (\d+)\b")
 _OPCODE = re.compile(r"(?:=|\{|;;)\s+([a-z][\w.]*)")
 # A DMA to or from HBM: its size in 32-byte granules (an immediate), or its
 # window in the comment that follows it when the size is a register.
@@ -90,6 +98,39 @@ class Loop:
     start: int  # address of its first bundle
     end: int  # one past its last (the back branch's delay slots included)
     trip_count: int | None  # None: the bound is a register
+
+
+@dataclasses.dataclass
+class RaggedLoop:
+    """XLA's ragged-dot loop: a trip per (row tile, group) pair sharing rows, times the other dims
+    of its space, plus the pipeline's stages."""
+
+    bound: int  # the back branch's immediate: the space's size plus the stages
+    rows: int  # the lhs's
+    columns: int  # the output's
+    tile_rows: int  # rows of the lhs tile a trip multiplies
+    iteration_cycles: int  # one trip with every region run
+    iteration_hbm_bytes: int  # what one trip's DMAs move to or from HBM (each DMA in the body once)
+
+    def trips(self, group_sizes) -> int | None:
+        """Trips with the lhs's rows in groups of `group_sizes`, or None where the space's size is
+        not row tiles x groups x a whole number."""
+        sizes = [int(x) for x in group_sizes]
+        row_tiles = -(-self.rows // self.tile_rows)
+        pairs = row_tiles * len(sizes)
+        space = (self.bound - 1) // pairs * pairs
+        if space == 0 or self.bound - space > 8:  # not this loop's space: the sizes or the tile are not its
+            return None
+        # Past one trip per column tile, the space also tiles the contraction (XLA does so for weights
+        # held [G, N, K] with a long K): measured, such loops run far fewer trips than the space holds
+        # (bench/results/calibration.md), in a way not read here.
+        if space // pairs > -(-self.columns // 128):
+            return None
+        ends = np.cumsum(sizes)
+        starts = ends - np.asarray(sizes)
+        tile_start = np.arange(row_tiles)[:, None] * self.tile_rows
+        shared = (np.asarray(sizes) > 0) & (starts < tile_start + self.tile_rows) & (ends > tile_start)
+        return int(shared.sum()) * (space // pairs) + self.bound - space
 
 
 @dataclasses.dataclass
@@ -153,6 +194,7 @@ class Schedule:
     # outermost loop found is the kernel's own).
     program_controls: list[Control] = dataclasses.field(default_factory=list)
     program_uncontrolled_cycles: int = 0
+    ragged_loop: RaggedLoop | None = None  # XLA's ragged dot: its loop (counted once in total_cycles)
 
     def profiled_step_cycles(self, runs: np.ndarray, whole_program: bool = False) -> np.ndarray:
         """Issue cycles of each grid step. runs: int [steps, len(controls)], how many times
@@ -293,6 +335,8 @@ def read_schedule(text: str) -> Schedule:
     static = not dma[:, 1].any() and all(l.trip_count is not None for l in loops)
     hbm_bytes = int((every_loop * dma[:, 0]).sum()) if static else None
     bounds_checks = sum(len(_BOUNDS_CHECK.findall(b.text)) for b in bundles)
+    ragged = next((r for r in (_ragged_loop(bundles, span(l.start, l.end), operands(bundles[0]), weight, dma[:, 0])
+                               for l in loops if l.trip_count is None) if r), None)
     operand_bytes = sum(int(np.prod(shape)) * _ITEMSIZE.get(dtype, 4)
                         for space, dtype, shape in operands(bundles[0]) if space == "hbm")
     # The controls read with the whole program as one step: for a grid of one step, which has no
@@ -304,7 +348,7 @@ def read_schedule(text: str) -> Schedule:
         return Schedule(len(bundles), total, None, total, 0, None, [], int((weight * is_matmul).sum()),
                         int((weight * is_push).sum()), sum(l.trip_count is None for l in inner), hbm_bytes,
                         operand_bytes, shapes, bounds_checks, program_controls=program_controls[0],
-                        program_uncontrolled_cycles=program_controls[1])
+                        program_uncontrolled_cycles=program_controls[1], ragged_loop=ragged)
     loop_span = span(grid_loop.start, grid_loop.end)
     in_loop = [region(a, t) for a, t in forward if grid_loop.start <= a and t <= grid_loop.end and a < t]
     stage = max(in_loop, key=lambda r: r.cycles, default=None)
@@ -335,7 +379,35 @@ def read_schedule(text: str) -> Schedule:
         uncontrolled_cycles=uncontrolled,
         program_controls=program_controls[0],
         program_uncontrolled_cycles=program_controls[1],
+        ragged_loop=ragged,
     )
+
+
+def _ragged_loop(bundles: list[Bundle], body: slice, operand_list, weight: np.ndarray,
+                 hbm_bytes: np.ndarray) -> RaggedLoop | None:
+    """The loop as XLA's ragged dot, if it is one: its back branch's untagged bound, and its row
+    tiles: the dim whose index is clamped to its last tile (`smov ..., T - 1` beside compares
+    with T - 1 and T), one tile if none is; rows from the lhs [M, K] (the first 2-D operand that
+    is not the op's [G, M] mask of each group's rows, which marks the op), columns from the
+    output [M, N] (the last)."""
+    bounds = [int(x) for b in bundles[body] for x in _RAGGED_BOUND.findall(b.text)]
+    matrices = [shape for _, dtype, shape in operand_list if len(shape) == 2 and dtype != "pred"]
+    rows = matrices[0][0] if matrices else None
+    masked = any(dtype == "pred" and len(shape) == 2 and shape[1] == rows for _, dtype, shape in operand_list)
+    if not bounds or not masked:
+        return None
+    text = "\n".join(b.text for b in bundles)
+    compared = lambda op: {int(x) for x in re.findall(rf"scmp\.{op}\.s32\.totalorder %\w+, (\d+)\b", text)}
+    clamps = {int(x) for x in _CLAMP.findall(text)}
+    last_tiles = [t for t in clamps & compared("lt") if t > 0 and t + 1 in compared("ge") and t + 1 < bounds[-1]]
+    if len(last_tiles) > 1:
+        return None
+    row_tiles = last_tiles[0] + 1 if last_tiles else 1
+    tile_rows = -(-(-(-rows // row_tiles)) // 8) * 8  # sublane-aligned
+    if -(-rows // tile_rows) != row_tiles:
+        return None
+    return RaggedLoop(bounds[-1], rows, matrices[-1][1], tile_rows, int(weight[body].sum()),
+                      int((weight[body] * hbm_bytes[body]).sum()))
 
 
 def index_of(index: dict, bundles: list[Bundle], address: int) -> int:
@@ -358,5 +430,6 @@ def from_dict(data: dict) -> Schedule:
     data["operand_shapes"] = tuple(data["operand_shapes"])
     data["controls"] = [Control(**c) for c in data.get("controls", [])]
     data["program_controls"] = [Control(**c) for c in data.get("program_controls", [])]
+    data["ragged_loop"] = RaggedLoop(**data["ragged_loop"]) if data.get("ragged_loop") else None
     return Schedule(**data)
 

@@ -58,7 +58,14 @@ def _not_modeled(case):
 def _known_off(case):
     """The rows calibration.md names as past the target, with the band they stay in: the splash
     rows from 32k tokens (the model grows slower than the measurement with the sequence: 1.36x
-    at most, at 128k) and the 1k-token cached row (one masked block per head)."""
+    at most, at 128k), the 1k-token cached row (one masked block per head), and XLA's own
+    ragged_dot on v5e (0.5x: its trips' compute and DMAs add up to the measured time there, while
+    on tpu7x the longer of the two matches it, as the model takes it) and where it tiles the
+    contraction of weights [G, N, K] inside its loop (counted once)."""
+    if case["kind"] == "xla_ragged_dot" and case["generation"] == "v5e":
+        return (0.45, 1 / TARGET)
+    if case["kind"] == "xla_ragged_dot" and case.get("transpose_rhs") and case["k"] >= 2048:
+        return (0.15, 1 / TARGET)  # the contraction tiled inside the loop: counted once, a lower bound
     if case["kind"] == "splash" and case["tokens"] >= 32768:
         return KNOWN_OFF_BAND
     if case["kind"] == "tokamax_attention" and case["tokens"] == 1024 and case["generation"] == "tpu7x":
@@ -69,13 +76,12 @@ def _known_off(case):
 KNOWN_OFF_BAND = (1 / TARGET, 1.4)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c["kind"] != "xla_ragged_dot"],
+@pytest.mark.parametrize("case", CASES,
                          ids=lambda c: f"{c['kind']}-{c['generation']}-{c.get('tokens', c.get('m'))}"
                          f"-{c.get('head_dim_qk', c.get('k'))}-{c.get('pass_', '')}")
-def test_every_pallas_row_within_the_target(case):
-    """Matmuls and attention alike, but for the rows calibration.md names, which stay in their
-    band. (XLA's own ragged_dot is a lower bound, documented there: its loop over groups has a
-    trip count known only at run time.)"""
+def test_every_row_within_the_target(case):
+    """Matmuls, attention and XLA's own ragged_dot (its loop's trips counted over the measured
+    group sizes) alike, but for the rows calibration.md names, which stay in their band."""
     row = _row_of(case)
     if _not_modeled(case) and "error" in row:
         pytest.skip("not modeled: calibration.md says why")
