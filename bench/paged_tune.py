@@ -118,6 +118,8 @@ def write_table() -> None:
             continue
         lines.append(f"    {generation!r}: {{")
         for r in json.loads(path.read_text()):
+            if "error" in r:
+                continue
             value = (r["decode"]["best"][1], *r["prefill"]["best"])
             vmem = max(r["decode"]["vmem_used"], r["prefill"]["vmem_used"])
             lines.append(f"        {tuple(r['key'])}: {value},  # {vmem / 2**20:.1f} MiB")
@@ -146,7 +148,12 @@ def main(argv=None) -> int:
                         continue
                     print(f"{generation} d={d} page {page_size} {dtype} ({time.perf_counter() - start:.0f} s)",
                           flush=True)
-                    records[(d, page_size, dtype)] = tune_entry(d, page_size, dtype, generation)
+                    try:
+                        records[(d, page_size, dtype)] = tune_entry(d, page_size, dtype, generation)
+                    except RuntimeError as err:  # kept as a record (not retried); the table leaves it to the rule
+                        print(f"  untuned: {err}", flush=True)
+                        records[(d, page_size, dtype)] = dict(key=[d, page_size, dtype], generation=generation,
+                                                              error=str(err))
                     bench.write_atomically(path, json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")

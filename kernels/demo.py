@@ -272,7 +272,8 @@ def main() -> int:
         repos[key] = entry["repo-id"]
         variant = Path(kernel.__file__).parent.parent.name
         if key not in DEMOS:
-            print(f"  loaded {variant}; its demo is the seed model below")
+            print(f"  loaded {variant}" + ("; its demo is the seed model below" if key == "paged_attention" else
+                                          "; not yet hooked into transformers' layers: no model runs it"))
             continue
         check, compiles = DEMOS[key]
         print(f"  loaded {variant}; running tiny models (CPU, interpret mode) ...", flush=True)

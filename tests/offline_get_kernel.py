@@ -66,6 +66,23 @@ elif hasattr(kernel, "ragged_paged_attention"):  # write a sequence's 40 tokens 
     jax_out = ops.ragged_paged_attention(as_jax(q), k_cache, v_cache, jnp.asarray([40], jnp.int32), as_jax(table),
                                          jnp.asarray([0, 1], jnp.int32), 1)
     jax_error = float(jnp.max(jnp.abs(jax_out - as_jax(want))))
+elif hasattr(kernel, "chunk_gated_delta_rule"):  # the card's usage block as written, against transformers' reference
+    import pathlib
+    import re
+
+    card = (pathlib.Path(kernel.__file__).parents[3] / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    torch.manual_seed(0)
+    names = {}
+    exec(block, names)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    parts = [torch_recurrent_gated_delta_rule(  # each sequence alone; q and k repeated to v's heads
+        *(names[x][:, a:b].repeat_interleave(2, dim=2) for x in ("q", "k")), names["v"][:, a:b],
+        g=names["g"][:, a:b], beta=names["beta"][:, a:b], initial_state=torch.zeros(1, 4, 64, 32),
+        output_final_state=True) for a, b in ((0, 30), (30, 100))]
+    out = torch.cat([names["o"].flatten(), names["state"].flatten()])
+    want = torch.cat([o.flatten() for o, _ in parts] + [state.flatten() for _, state in parts])
 else:  # flash attention: one causal GQA batch against torch's own attention
     q, k, v = (torch.randn(2, 40, heads, 64, generator=gen(seed)) for seed, heads in ((0, 4), (1, 2), (2, 2)))
     out = kernel.flash_attn_func(q, k, v, causal=True)
