@@ -701,8 +701,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     parser.add_argument("--tpu", action="store_true", help="time real runs on a TPU (needs one)")
     parser.add_argument("--impls", nargs="*", default=list(IMPLS), choices=list(IMPLS))
-    parser.add_argument("--append", action="store_true",
-                        help="keep the results already in --out, replacing only the cases run now")
     parser.add_argument("--merge", nargs="+", type=Path, default=[],
                         help="only merge these results JSON files (of runs with other --out) into --out")
     args = parser.parse_args(argv)
@@ -716,20 +714,21 @@ def main(argv=None) -> int:
             merged.update({(*case_of(r), r["impl"]): r for r in (json.loads(path.read_text()) if path.exists() else [])})
         results = list(merged.values())
         ratio_rows(results)
-        (args.out / "ragged_dot.json").write_text(json.dumps(sorted(results, key=row_order), indent=1))
+        write_atomically(args.out / "ragged_dot.json", json.dumps(sorted(results, key=row_order), indent=1))
         write_markdown(results, args.out / "ragged_dot.md")
         write_charts(results, args.out)
         return 0
 
     if args.tpu:
         results = run_on_tpu(shapes, args.phases)
-        (args.out / "ragged_dot_tpu_measured.json").write_text(json.dumps(results, indent=1))
+        write_atomically(args.out / "ragged_dot_tpu_measured.json", json.dumps(results, indent=1))
         return 0
 
     cases = [(s, p, m, ps, g) for s in shapes for p in args.phases for m in matmuls(s) for ps in args.passes
              for g in args.generations]
     results, start = [], time.perf_counter()
-    if args.append and (args.out / "ragged_dot.json").exists():
+    # The rows of cases not run now are kept: a subset run never loses the committed results.
+    if (args.out / "ragged_dot.json").exists():
         redone = {(s.model, p, m[0], ps, g, i) for s, p, m, ps, g in cases for i in args.impls}
         results = [r for r in json.loads((args.out / "ragged_dot.json").read_text())
                    if (*case_of(r), r["impl"]) not in redone]
@@ -740,7 +739,7 @@ def main(argv=None) -> int:
                              only=args.impls)
         ratio_rows(results)
         # Rewritten after every case, so a long run interrupted still leaves a table.
-        (args.out / "ragged_dot.json").write_text(json.dumps(results, indent=1))
+        write_atomically(args.out / "ragged_dot.json", json.dumps(results, indent=1))
         write_markdown(results, args.out / "ragged_dot.md")
     write_charts(results, args.out)
     print(f"wrote {args.out / 'ragged_dot.md'}, .json and a chart per generation: MODELED figures, not TPU "

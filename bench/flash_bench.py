@@ -445,8 +445,6 @@ def main(argv=None) -> int:
     parser.add_argument("--generations", nargs="*", default=list(BENCH_GENERATIONS), choices=list(GENERATIONS))
     parser.add_argument("--impls", nargs="*", default=list(IMPLS), choices=list(IMPLS))
     parser.add_argument("--out", type=Path, default=BENCH / "results")
-    parser.add_argument("--update", action="store_true",
-                        help="keep the rows of --out's JSON that this run does not redo (e.g. anchors, when only ours changed)")
     parser.add_argument("--merge", nargs="+", type=Path, default=[],
                         help="only merge these results JSON files (of runs with other --out) into --out's, theirs winning")
     args = parser.parse_args(argv)
@@ -456,8 +454,8 @@ def main(argv=None) -> int:
              for g in args.generations]
     json_path = args.out / "flash_attention.json"
     key = lambda r: (r["model"], r["tokens"], r["pass_"], r["generation"], r["impl"])
-    keep_old = (args.update or args.merge) and json_path.exists()
-    kept = {key(r): r for r in json.loads(json_path.read_text())} if keep_old else {}
+    # The rows this run does not redo are kept: a subset run never loses the committed results.
+    kept = {key(r): r for r in json.loads(json_path.read_text())} if json_path.exists() else {}
     if args.merge:
         for path in args.merge:
             kept.update({key(r): r for r in json.loads(path.read_text())})

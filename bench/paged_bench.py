@@ -551,9 +551,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-anchors", dest="anchors", action="store_false", help="our kernels only")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
-    rows = []
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
+    # The rows this run does not redo are kept: a subset run never loses the committed results.
+    json_path = args.out / "paged_attention.json"
+    key = lambda r: (r["model"], r["batch"], r["generation"], r["cache"], r["impl"])
+    kept = {key(r): r for r in json.loads(json_path.read_text())} if json_path.exists() else {}
     for shape in (s for s in SHAPES if s.model in args.models):
         for batch in (b for b in BATCHES if b.name in args.batches):
             for generation in args.generations:
@@ -566,9 +569,10 @@ def main(argv=None) -> int:
                                **figures)
                     print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation} {impl} "
                           f"{cache}: {row.get('modeled_us', row.get('error'))}", flush=True)
-                    rows.append(row)
+                    kept[key(row)] = row
+                    rows = list(kept.values())
                     # Rewritten after every row, so a long run interrupted still leaves a table.
-                    bench.write_atomically((args.out / "paged_attention.json"), json.dumps(rows, indent=1))
+                    bench.write_atomically(json_path, json.dumps(rows, indent=1))
                     write_markdown(rows, args.out / "paged_attention.md")
     print(f"wrote {args.out / 'paged_attention.md'}: MODELED figures, not TPU measurements")
     return 0
