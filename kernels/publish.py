@@ -26,7 +26,8 @@ def operations(trees: dict[str, Path]) -> list[tuple[str, dict]]:
             ("upload_file", dict(**common, path_or_fileobj=str(tree / "README.md"), path_in_repo="README.md",
                                  revision="main", commit_message="Update card")),
             ("create_branch", dict(**common, branch=branch, exist_ok=True)),
-            ("upload_folder", dict(**common, folder_path=str(tree), revision=branch,
+            # The branch becomes the tree: files the tree no longer has are deleted in the same commit.
+            ("upload_folder", dict(**common, folder_path=str(tree), revision=branch, delete_patterns="*",
                                    commit_message=f"Build {branch}")),
         ]
     return ops

@@ -95,7 +95,7 @@ def test_publish_dry_run(built, capsys, tmp_path):
         branch = f"v{manifest[key]['version']}"
         assert f"repo_id={manifest[key]['repo-id']}" in lines[first]
         assert "revision=main" in lines[first + 1] and f"branch={branch}" in lines[first + 2]
-        assert f"revision={branch}" in lines[first + 3]
+        assert f"revision={branch}" in lines[first + 3] and "delete_patterns=*" in lines[first + 3]
         # Nothing else is written: earlier versions' branches stay as published, still loadable.
         assert set(re.findall(r"(?:revision|branch)=(\S+)", "\n".join(lines[first:first + 4]))) == {"main", branch}
 
