@@ -83,6 +83,13 @@ elif hasattr(kernel, "chunk_gated_delta_rule"):  # the card's usage block as wri
         output_final_state=True) for a, b in ((0, 30), (30, 100))]
     out = torch.cat([names["o"].flatten(), names["state"].flatten()])
     want = torch.cat([o.flatten() for o, _ in parts] + [state.flatten() for _, state in parts])
+    # The card's JAX line: the same call on JAX arrays through the loaded module's ops.
+    import jax.numpy as jnp
+    as_jax = lambda t: jnp.asarray(t.numpy())
+    jax_o, jax_state = names["gdr"].ops.chunk_gated_delta_rule(
+        *(as_jax(names[x]) for x in ("q", "k", "v", "g", "beta")), initial_state=jnp.zeros((2, 4, 64, 32)),
+        output_final_state=True, cu_seqlens=as_jax(names["cu_seqlens"]))
+    jax_error = float(jnp.max(jnp.abs(jnp.concatenate([jax_o.reshape(-1), jax_state.reshape(-1)]) - as_jax(want))))
 else:  # flash attention: one causal GQA batch against torch's own attention
     q, k, v = (torch.randn(2, 40, heads, 64, generator=gen(seed)) for seed, heads in ((0, 4), (1, 2), (2, 2)))
     out = kernel.flash_attn_func(q, k, v, causal=True)
