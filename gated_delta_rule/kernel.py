@@ -128,7 +128,9 @@ def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: fl
     dv = v.shape[-1]
     chunks = padded // chunk
     hb = heads_per_step
-    seq_block = lambda h, c, seq, first, last: (jnp.maximum(seq[c], 0), h, 0, 0)
+    # Chunks past the live ones stay on the last sequence's state block: a block an earlier step
+    # left is never revisited (its output buffer would be written back again, stale).
+    seq_block = lambda h, c, seq, first, last: (jnp.where(seq[c] >= 0, seq[c], num_seqs - 1), h, 0, 0)
     tokens = lambda h, c, *_: (h, c, 0)
     per_chunk = lambda h, c, *_: (h, c, 0, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(

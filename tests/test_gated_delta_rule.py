@@ -113,19 +113,21 @@ def test_packed_sequences_keep_their_own_states():
 
 
 def test_kernel_passes_the_tpu_interpreter():
-    """Races, out-of-bounds copies and reads of uninitialised memory (NaN) over packed sequences
-    whose chunks run past the live ones (the static bound of chunks exceeds the sequences')."""
+    """Races, out-of-bounds copies, reads of uninitialised memory (NaN) and output blocks revisited
+    (written back twice: the second time stale) over packed sequences whose chunks run past the
+    live ones (5 chunks bound, 3 live); every sequence's output and final state."""
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-    cu = jnp.asarray([0, 10, 80, 90], jnp.int32)
-    q, k, v, g, beta, states = _inputs(1, 90, 1, 2, 128, 128, seqs=3, seed=4)
+    cu = np.array([0, 64, 128, 130])
+    q, k, v, g, beta, states = _inputs(1, 130, 1, 2, 128, 128, seqs=3, seed=4)
     o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=states, output_final_state=True,
-                                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True, interpret=params)
+                                          cu_seqlens=jnp.asarray(cu), use_qk_l2norm_in_kernel=True, interpret=params)
     assert tpu_interpreter.races.races_found is False
     pltpu.reset_tpu_interpret_mode_state()
-    assert bool(jnp.isfinite(o).all()) and bool(jnp.isfinite(final).all())
-    want_o, _ = _torch(torch_chunk_gated_delta_rule, q[:, 10:80], k[:, 10:80], v[:, 10:80], g[:, 10:80],
-                       beta[:, 10:80], states[1:2])
-    assert _error(o[:, 10:80], want_o) <= FP32_TOLERANCE
+    for n in range(3):
+        part = lambda x: x[:, cu[n]:cu[n + 1]]
+        want_o, want_state = _torch(torch_chunk_gated_delta_rule, part(q), part(k), part(v), part(g), part(beta),
+                                    states[n:n + 1])
+        assert _error(part(o), want_o) <= FP32_TOLERANCE and _error(final[n:n + 1], want_state) <= FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
