@@ -1,13 +1,16 @@
 """gated-delta-rule-tpu: the gated delta rule (Gated DeltaNet's linear attention, as in Qwen3.5
 and Qwen3-Next) as Pallas TPU kernels, callable from torch (CPU runs them in interpret mode).
 
-JAX users: `from <package>.ops import chunk_gated_delta_rule`.
+JAX users: the module's `ops.chunk_gated_delta_rule` and `ops.fused_recurrent_gated_delta_rule`.
 """
 
 from ._shared.dependencies import require_jax
 
 require_jax("gated-delta-rule-tpu")
 
-from .torch_ops import chunk_gated_delta_rule  # noqa: E402  (after the jax check)
+from .torch_ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # noqa: E402  (after the jax check)
 
-__all__ = ["chunk_gated_delta_rule"]
+# kernels' LayerRepository reads `layers` (transformers' kernelize mapping); not an entry point of its own.
+from .torch_ops import layers  # noqa: E402
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]

@@ -159,3 +159,82 @@ def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: fl
         interpret=interpret,
         name="gated_delta_rule_chunk",
     )(seq, first, last, q, k, v, gb, h0)
+
+
+def _token_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per token
+                  q_ref, k_ref, v_ref, gb_ref, h0_ref,  # inputs
+                  o_ref, ht_ref,  # outputs
+                  state_ref,  # scratch
+                  *, scale: float, l2norm: bool):
+    """One token of every head: the recurrence's step, S <- exp(g) S + beta k (v - S^T k)^T,
+    o = S^T q (q scaled), the state in VMEM scratch from a sequence's first token to its last."""
+    t = pl.program_id(0)
+
+    @pl.when(first_ref[t] == 1)
+    def _():
+        state_ref[...] = h0_ref[...].astype(F32)
+
+    q = q_ref[...].astype(F32)  # [H, dk]
+    k = k_ref[...].astype(F32)
+    v = v_ref[...].astype(F32)  # [H, dv]
+    if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
+    q = q * scale
+    gb = gb_ref[...]  # [H, 2]: g, beta
+    decay = jnp.exp(gb[:, 0:1])
+    # One token's products are matrix-vector: on the VPU, with q and k as columns (one transpose
+    # for every head), rather than single-row passes through the MXU.
+    q_cols, k_cols = q.T, k.T  # [dk, H]
+    for h in range(q.shape[0]):
+        state = state_ref[h] * decay[h:h + 1]
+        k_col = k_cols[:, h:h + 1]
+        delta = (v[h:h + 1] - jnp.sum(state * k_col, axis=0, keepdims=True)) * gb[h:h + 1, 1:2]
+        state = state + k_col * delta
+        state_ref[h] = state
+        o_ref[h:h + 1] = jnp.sum(state * q_cols[:, h:h + 1], axis=0, keepdims=True).astype(o_ref.dtype)
+
+    @pl.when(last_ref[t] == 1)
+    def _():
+        ht_ref[...] = state_ref[...]
+
+
+@functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "out_dtype", "interpret"))
+def recurrent_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool, out_dtype,
+                      interpret: bool):
+    """Token by token: q, k [T, H, dk], v [T, H, dv], gb [T, H, 2] fp32 (g, beta), h0 [num_seqs, H,
+    dk, dv] fp32; seq, first, last int32 [T] (each token's sequence, and whether it is the
+    sequence's first or last). The grid walks the tokens in order, every head in one step: for a
+    decode step (a token per sequence) the work is the state's read and write, which one step
+    per token reads once. Returns o [T, H, dv] (out_dtype) and the final states (fp32; a sequence
+    with no token keeps whatever its block held: ops.py substitutes h0)."""
+    tokens, heads, dk = q.shape
+    dv = v.shape[-1]
+    per_token = lambda t, *_: (t, 0, 0)
+    seq_block = lambda t, seq, first, last: (seq[t], 0, 0, 0)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(tokens,),
+        in_specs=[
+            pl.BlockSpec((None, heads, dk), per_token),
+            pl.BlockSpec((None, heads, dk), per_token),
+            pl.BlockSpec((None, heads, dv), per_token),
+            pl.BlockSpec((None, heads, 2), per_token),
+            pl.BlockSpec((None, heads, dk, dv), seq_block),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, heads, dv), per_token),
+            pl.BlockSpec((None, heads, dk, dv), seq_block),
+        ],
+        scratch_shapes=[pltpu.VMEM((heads, dk, dv), F32)],
+    )
+    kernel = functools.partial(_token_kernel, scale=scale, l2norm=l2norm)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((tokens, heads, dv), out_dtype),
+                   jax.ShapeDtypeStruct((num_seqs, heads, dk, dv), F32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+        name="gated_delta_rule_recurrent",
+    )(seq, first, last, q, k, v, gb, h0)

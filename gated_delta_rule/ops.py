@@ -7,6 +7,10 @@ in a batch of one. Hk divides Hv: value head h reads q and k head h // (Hv // Hk
 models' `repeat_interleave` lays them out. It returns o [B, T, Hv, dv] in q's dtype and, with
 `output_final_state`, each sequence's final state [N, Hv, dk, dv] in fp32; everything inside
 is computed in fp32.
+
+`fused_recurrent_gated_delta_rule` takes the same arguments and computes the same, token by
+token: for decode steps (a token or a few per sequence), where the chunked form would pad each
+sequence to a chunk.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._shared.generations import default_interpret
-from .kernel import chunk_forward
+from .kernel import chunk_forward, recurrent_forward
 
 CHUNK = 64  # tokens per chunk: fla's and transformers' reference's
 HEADS_PER_STEP = 4  # heads a grid step takes, when H allows (see kernel._chunk_kernel)
@@ -91,20 +95,38 @@ def chunk_layout(cu_seqlens, tokens: int, seqs: int, chunk: int):
     return seq, first, last, token, lens
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size: int = CHUNK,
-                           heads_per_step: int | None = None, interpret=None):
+def _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret):
+    """Both entry points' arguments, checked and defaulted: (sequences, cu_seqlens (each batch row
+    a sequence by default), scale, interpret, the initial states in fp32 (zeros by default),
+    q and k repeated to v's heads)."""
     seqs = check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     batch, tokens, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    total = batch * tokens
     if cu_seqlens is None:
         cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * tokens
     else:
         check_cu_seqlens(cu_seqlens, tokens)
-    scale = dk ** -0.5 if scale is None else float(scale)
-    interpret = default_interpret() if interpret is None else interpret
-    seq, first, last, token, lens = chunk_layout(jnp.asarray(cu_seqlens), total, seqs, chunk_size)
+    h0 = (jnp.zeros((seqs, hv, dk, dv), jnp.float32) if initial_state is None
+          else jnp.asarray(initial_state, jnp.float32))
+    repeat = hv // hk
+    q, k = (jnp.repeat(x, repeat, axis=2) if repeat > 1 else jnp.asarray(x) for x in (q, k))
+    return (seqs, jnp.asarray(cu_seqlens), dk ** -0.5 if scale is None else float(scale),
+            default_interpret() if interpret is None else interpret, h0, q, k)
+
+
+def _final_states(final, h0, lens, output_final_state):
+    # A sequence with no tokens is never visited: its state passes through.
+    return jnp.where((lens == 0)[:, None, None, None], h0, final) if output_final_state else None
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size: int = CHUNK,
+                           heads_per_step: int | None = None, interpret=None):
+    out_dtype = q.dtype
+    seqs, cu, scale, interpret, h0, q, k = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
+    batch, tokens, hv, dv = v.shape
+    total = batch * tokens
+    seq, first, last, token, lens = chunk_layout(cu, total, seqs, chunk_size)
     count = seq.shape[0]
     index = token.reshape(-1)
 
@@ -112,19 +134,38 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         x = jnp.asarray(x).reshape(total, *x.shape[2:]).at[index].get(mode="fill", fill_value=0)
         return jnp.moveaxis(x, 1, 0)
 
-    repeat = hv // hk
-    qc, kc = (chunked(jnp.repeat(x, repeat, axis=2) if repeat > 1 else x) for x in (q, k))
     gb = jnp.stack([jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)], axis=-1)  # [B, T, Hv, 2]
     gb = chunked(gb).reshape(hv, count, chunk_size, 2).swapaxes(2, 3)
-    h0 = (jnp.zeros((seqs, hv, dk, dv), jnp.float32) if initial_state is None
-          else jnp.asarray(initial_state, jnp.float32))
-    o, final = chunk_forward(seq, first, last, qc, kc, chunked(v), gb, h0, num_seqs=seqs, scale=scale,
+    o, final = chunk_forward(seq, first, last, chunked(q), chunked(k), chunked(v), gb, h0, num_seqs=seqs, scale=scale,
                              l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size,
-                             heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), out_dtype=q.dtype,
+                             heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), out_dtype=out_dtype,
                              interpret=interpret)
-    o = jnp.zeros((total, hv, dv), q.dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
-    o = o.reshape(batch, tokens, hv, dv)
-    if not output_final_state:
-        return o, None
-    # A sequence with no tokens has no chunk: its state passes through.
-    return o, jnp.where((lens == 0)[:, None, None, None], h0, final)
+    o = jnp.zeros((total, hv, dv), out_dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
+    return o.reshape(batch, tokens, hv, dv), _final_states(final, h0, lens, output_final_state)
+
+
+def token_layout(cu_seqlens, tokens: int, seqs: int):
+    """Per token: its sequence (tokens past the live ones: the last sequence), whether it is its
+    sequence's first and last token, and whether it is live; per sequence, its length."""
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, seqs - 1).astype(jnp.int32)
+    live = t < cu[-1]
+    first = (live & (t == cu[seq])).astype(jnp.int32)
+    last = (live & (t == cu[seq + 1] - 1)).astype(jnp.int32)
+    return seq, first, last, live, cu[1:] - cu[:-1]
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, interpret=None):
+    out_dtype = q.dtype
+    seqs, cu, scale, interpret, h0, q, k = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
+    batch, tokens, hv, dv = v.shape
+    total = batch * tokens
+    seq, first, last, live, lens = token_layout(cu, total, seqs)
+    flat = lambda x: jnp.asarray(x).reshape(total, *x.shape[2:])
+    gb = jnp.stack([flat(jnp.asarray(g, jnp.float32)), flat(jnp.asarray(beta, jnp.float32))], axis=-1)
+    o, final = recurrent_forward(seq, first, last, flat(q), flat(k), flat(v), gb, h0, num_seqs=seqs, scale=scale,
+                                 l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype, interpret=interpret)
+    o = jnp.where(live[:, None, None], o, 0).astype(out_dtype).reshape(batch, tokens, hv, dv)
+    return o, _final_states(final, h0, lens, output_final_state)

@@ -1,10 +1,13 @@
-"""The torch layer: fla's `chunk_gated_delta_rule` arguments, checked with clear errors, one op per call.
+"""The torch layer: fla's `chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule` arguments, checked
+with clear errors, one op per call.
 
 Forward only: the op has no gradient yet (training Qwen3.5's linear-attention layers needs the
 backward kernel, not written).
 """
 
 from __future__ import annotations
+
+import types
 
 import jax
 import torch
@@ -16,37 +19,28 @@ from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, valu
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _chunk_gated_delta_rule_jax(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, initial_state: jax.Array,
-    cu_seqlens: jax.Array, scale: float, use_qk_l2norm_in_kernel: bool, *, interpret, generation,
-) -> tuple[jax.Array, jax.Array]:
-    # An empty initial_state or cu_seqlens stands for None (a torch op takes no optional tensors).
-    o, final = ops.chunk_gated_delta_rule(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state if initial_state.size else None,
-        output_final_state=True, cu_seqlens=cu_seqlens if cu_seqlens.size else None,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, interpret=interpret)
-    return o, final
+def _jax_entry(fn):
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, initial_state: jax.Array,
+            cu_seqlens: jax.Array, scale: float, use_qk_l2norm_in_kernel: bool, *, interpret,
+            generation) -> tuple[jax.Array, jax.Array]:
+        # An empty initial_state or cu_seqlens stands for None (a torch op takes no optional tensors).
+        return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state if initial_state.size else None,
+                  output_final_state=True, cu_seqlens=cu_seqlens if cu_seqlens.size else None,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, interpret=interpret)
+    return run
 
 
-chunk_gated_delta_rule_op = jax_custom_op(f"{OP_NAMESPACE}::chunk_gated_delta_rule", _chunk_gated_delta_rule_jax)
+chunk_op = jax_custom_op(f"{OP_NAMESPACE}::chunk_gated_delta_rule", _jax_entry(ops.chunk_gated_delta_rule))
+recurrent_op = jax_custom_op(f"{OP_NAMESPACE}::fused_recurrent_gated_delta_rule",
+                             _jax_entry(ops.fused_recurrent_gated_delta_rule))
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, **kwargs):
-    """The gated delta rule over whole or packed sequences, with fla's arguments and layout.
-
-    q, k [B, T, Hk, dk]; v [B, T, Hv, dv] (Hk divides Hv: value head h reads q/k head
-    h // (Hv // Hk)); g (log decay, <= 0) and beta [B, T, Hv]; initial_state [N, Hv, dk, dv];
-    cu_seqlens int [N + 1] for N sequences packed in a batch of one. Returns (o [B, T, Hv, dv] in
-    q's dtype, each sequence's final state [N, Hv, dk, dv] in fp32 or None unless
-    output_final_state). Computed in fp32. Other keyword arguments (transformers passes its
-    attention kwargs along) are ignored.
-    """
+def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_tensor(name, t, 4 if name in "qkv" else 3, FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"chunk_gated_delta_rule: {name} dtype {t.dtype} differs from q's {q.dtype}")
+            raise TypeError(f"{name} dtype {t.dtype} differs from q's {q.dtype}")
     if initial_state is not None:
         check_tensor("initial_state", initial_state, 4, FLOAT_DTYPES)
     if cu_seqlens is not None:
@@ -58,8 +52,71 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if cu_seqlens is not None and values_on_host(cu_seqlens):
         ops.check_cu_seqlens(cu_seqlens.numpy(), q.shape[1])
     empty = q.new_empty(0, dtype=torch.float32)
-    o, final = chunk_gated_delta_rule_op(
+    o, final = op(
         q, k, v, g, beta, empty if initial_state is None else initial_state,
         empty.to(torch.int32) if cu_seqlens is None else cu_seqlens.to(torch.int32),
         float(q.shape[-1] ** -0.5 if scale is None else scale), bool(use_qk_l2norm_in_kernel))
     return o, (final if output_final_state else None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule over whole or packed sequences, with fla's arguments and layout.
+
+    q, k [B, T, Hk, dk]; v [B, T, Hv, dv] (Hk divides Hv: value head h reads q/k head
+    h // (Hv // Hk)); g (log decay, <= 0) and beta [B, T, Hv]; initial_state [N, Hv, dk, dv];
+    cu_seqlens int [N + 1] for N sequences packed in a batch of one. Returns (o [B, T, Hv, dv] in
+    q's dtype, each sequence's final state [N, Hv, dk, dv] in fp32 or None unless
+    output_final_state). Computed in fp32, chunk by chunk (prefill). Other keyword arguments
+    (transformers passes its attention kwargs along) are ignored.
+    """
+    return _call(chunk_op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                 use_qk_l2norm_in_kernel)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     cu_seqlens=None, use_qk_l2norm_in_kernel=False, **kwargs):
+    """The same as `chunk_gated_delta_rule`, token by token: for decode steps (a token or a few
+    per sequence), where chunks would pad each sequence to a chunk's length."""
+    return _call(recurrent_op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                 use_qk_l2norm_in_kernel)
+
+
+class ChunkGatedDeltaRule(torch.nn.Module):
+    """`chunk_gated_delta_rule` as the layer that kernels' `kernelize` puts in place of transformers'
+    `torch_chunk_gated_delta_rule` (Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's prefill), mapped as
+    `LayerRepository(repo_id, layer_name="chunk_gated_delta_rule", version=...)`.
+
+    kernelize accepts a layer only if its forward takes transformers' arguments, as many and of the
+    same kinds, so this forward has transformers' signature rather than fla's: `chunk_size` is
+    ignored (the kernel's chunk is 64 tokens) and packed sequences' `cu_seqlens` come in kwargs. It
+    runs bound to transformers' module (kernelize swaps the forward, not the module): no state here.
+    """
+
+    has_backward = False  # kernelize(mode=Mode.TRAINING) keeps transformers' torch code
+
+    def forward(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):
+        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+
+class FusedRecurrentGatedDeltaRule(torch.nn.Module):
+    """`fused_recurrent_gated_delta_rule` as the layer kernelize puts in place of transformers'
+    `torch_recurrent_gated_delta_rule` (the decode step: one token with the cached state), mapped
+    as `LayerRepository(repo_id, layer_name="fused_recurrent_gated_delta_rule", version=...)`;
+    transformers' signature, as for `ChunkGatedDeltaRule`."""
+
+    has_backward = False  # kernelize(mode=Mode.TRAINING) keeps transformers' torch code
+
+    def forward(self, query, key, value, g, beta, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):
+        return fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                                output_final_state=output_final_state,
+                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+
+# What kernels' LayerRepository(layer_name=...) loads: `<kernel module>.layers.<layer_name>`.
+layers = types.SimpleNamespace(chunk_gated_delta_rule=ChunkGatedDeltaRule,
+                               fused_recurrent_gated_delta_rule=FusedRecurrentGatedDeltaRule)

@@ -5,6 +5,7 @@ the TPU interpreter, libtpu's compile, and bad input."""
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ def _inputs(batch, tokens, hk, hv, dk, dv, seqs=None, seed=0, dtype=np.float32):
 
 def _torch(fn, q, k, v, g, beta, state, l2norm=True):
     """A transformers reference on torch tensors; q and k repeated to v's heads as the models do."""
-    t = lambda a: torch.from_numpy(np.asarray(a, np.float32))
+    t = lambda a: torch.from_numpy(np.array(a, np.float32))  # a copy: jax arrays are read-only
     repeat = v.shape[2] // q.shape[2]
     q, k = (t(a).repeat_interleave(repeat, dim=2) for a in (q, k))
     o, final = fn(q, k, t(v), g=t(g), beta=t(beta), initial_state=None if state is None else t(state),
@@ -55,6 +56,19 @@ def _torch(fn, q, k, v, g, beta, state, l2norm=True):
 
 def _error(got, want):
     return float(np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max())
+
+
+def _check_each_sequence(reference, cu, inputs, states, o, final):
+    """Each packed sequence's output and final state against `reference` run on it alone; an
+    empty sequence's state passed through."""
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        if a == b:
+            np.testing.assert_array_equal(np.asarray(final[n]), states[n])
+            continue
+        want_o, want_state = _torch(reference, *(x[:, a:b] for x in inputs), states[n:n + 1])
+        assert _error(o[:, a:b], want_o) <= FP32_TOLERANCE, n
+        assert _error(final[n:n + 1], want_state) <= FP32_TOLERANCE, n
 
 
 @pytest.mark.parametrize("case", [
@@ -100,16 +114,7 @@ def test_packed_sequences_keep_their_own_states():
     states = _inputs(1, 1, 1, 4, 64, 32, seqs=4, seed=3)[-1]
     o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=states, output_final_state=True,
                                           cu_seqlens=jnp.asarray(cu), use_qk_l2norm_in_kernel=True, interpret=True)
-    for n in range(4):
-        a, b = cu[n], cu[n + 1]
-        if a == b:
-            np.testing.assert_array_equal(np.asarray(final[n]), states[n])
-            continue
-        part = lambda x: x[:, a:b]
-        want_o, want_state = _torch(torch_chunk_gated_delta_rule, part(q), part(k), part(v), part(g), part(beta),
-                                    states[n:n + 1])
-        assert _error(o[:, a:b], want_o) <= FP32_TOLERANCE, n
-        assert _error(final[n:n + 1], want_state) <= FP32_TOLERANCE, n
+    _check_each_sequence(torch_chunk_gated_delta_rule, cu, (q, k, v, g, beta), states, o, final)
 
 
 def test_kernel_passes_the_tpu_interpreter():
@@ -123,11 +128,7 @@ def test_kernel_passes_the_tpu_interpreter():
                                           cu_seqlens=jnp.asarray(cu), use_qk_l2norm_in_kernel=True, interpret=params)
     assert tpu_interpreter.races.races_found is False
     pltpu.reset_tpu_interpret_mode_state()
-    for n in range(3):
-        part = lambda x: x[:, cu[n]:cu[n + 1]]
-        want_o, want_state = _torch(torch_chunk_gated_delta_rule, part(q), part(k), part(v), part(g), part(beta),
-                                    states[n:n + 1])
-        assert _error(part(o), want_o) <= FP32_TOLERANCE and _error(final[n:n + 1], want_state) <= FP32_TOLERANCE
+    _check_each_sequence(torch_chunk_gated_delta_rule, cu, (q, k, v, g, beta), states, o, final)
 
 
 @pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
@@ -140,6 +141,60 @@ def test_compiles_for_tpu(generation):
     specs = [((1, tokens, hk, d), jnp.bfloat16)] * 2 + [((1, tokens, hv, d), jnp.bfloat16),
                                                        ((1, tokens, hv), jnp.float32), ((1, tokens, hv), jnp.bfloat16),
                                                        ((1, hv, d, d), jnp.float32)]
+    report = tpu_compile.compile_for(fn, specs, generation, "gated_delta_rule")
+    (kernel,) = report.kernels.values()
+    assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
+
+
+@pytest.mark.parametrize("batch,tokens,hk,hv,dtype", [(3, 1, 1, 2, np.float32), (2, 5, 2, 2, np.float32),
+                                                      (3, 1, 2, 4, jnp.bfloat16)])
+def test_recurrent_steps_match_the_reference(batch, tokens, hk, hv, dtype):
+    """Decode steps token by token (fused_recurrent_gated_delta_rule): one token per sequence as in
+    a decode step, and a few, against transformers' recurrent reference with initial states; bf16
+    inputs give the fp32 result rounded once (the state stays fp32)."""
+    q, k, v, g, beta, states = _inputs(batch, tokens, hk, hv, 32, 16, seed=6)
+    cast = (lambda x: jnp.asarray(x, dtype))
+    o, final = ops.fused_recurrent_gated_delta_rule(*(cast(x) for x in (q, k, v)), g, cast(beta), initial_state=states,
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                    interpret=True)
+    as_f32 = lambda x: np.asarray(cast(x), np.float32)
+    want_o, want_state = _torch(torch_recurrent_gated_delta_rule, as_f32(q), as_f32(k), as_f32(v), g, as_f32(beta),
+                                states)
+    assert o.dtype == dtype and final.dtype == jnp.float32
+    assert _error(o, want_o) <= (BF16_TOLERANCE if dtype == jnp.bfloat16 else FP32_TOLERANCE)
+    assert _error(final, want_state) <= FP32_TOLERANCE
+
+
+def test_recurrent_packed_sequences_and_tokens_past_the_live_ones():
+    """Packed sequences (one empty, one of three tokens) in a batch of one, as an engine's decode
+    batch: each sequence against the reference on it alone, the empty one's state passed
+    through. Under jit (cu_seqlens traced, so not checked on the host) the offsets end before the
+    last two tokens: they are zeros and change no state. In the TPU interpreter: no races, no
+    uninitialised reads, no output block written back twice."""
+    cu = np.array([0, 1, 1, 4, 5])
+    q, k, v, g, beta, _ = _inputs(1, 7, 1, 2, 32, 16, seed=7)
+    states = _inputs(1, 1, 1, 2, 32, 16, seqs=4, seed=8)[-1]
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    run = jax.jit(lambda cu, *x: ops.fused_recurrent_gated_delta_rule(
+        *x, initial_state=states, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+        interpret=params))
+    o, final = run(jnp.asarray(cu), q, k, v, g, beta)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    _check_each_sequence(torch_recurrent_gated_delta_rule, cu, (q, k, v, g, beta), states, o, final)
+    assert not np.asarray(o[:, 5:]).any()
+
+
+@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
+def test_recurrent_compiles_for_tpu(generation):
+    """libtpu compiles the decode step at Qwen3.5-9B's linear attention (16 q/k heads, 32 value heads,
+    head dims 128, bf16) for 64 sequences, within VMEM."""
+    fn = lambda q, k, v, g, b, h0: ops.fused_recurrent_gated_delta_rule(
+        q, k, v, g, b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, interpret=False)
+    batch, hk, hv, d = 64, 16, 32, 128
+    specs = [((batch, 1, hk, d), jnp.bfloat16)] * 2 + [((batch, 1, hv, d), jnp.bfloat16),
+                                                       ((batch, 1, hv), jnp.float32), ((batch, 1, hv), jnp.bfloat16),
+                                                       ((batch, hv, d, d), jnp.float32)]
     report = tpu_compile.compile_for(fn, specs, generation, "gated_delta_rule")
     (kernel,) = report.kernels.values()
     assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
@@ -181,13 +236,7 @@ def test_torch_entry_point_as_transformers_calls_it():
         t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(states), output_final_state=True,
         use_qk_l2norm_in_kernel=True, cu_seqlens=t(cu), position_ids=None)
     assert o.dtype == torch.float32 and final.dtype == torch.float32
-    for n in range(3):
-        a, b = cu[n], cu[n + 1]
-        part = lambda x: x[:, a:b]
-        want_o, want_state = _torch(torch_chunk_gated_delta_rule, part(q), part(k), part(v), part(g), part(beta),
-                                    states[n:n + 1])
-        assert _error(o[:, a:b].numpy(), want_o) <= FP32_TOLERANCE, n
-        assert _error(final[n:n + 1].numpy(), want_state) <= FP32_TOLERANCE, n
+    _check_each_sequence(torch_chunk_gated_delta_rule, cu, (q, k, v, g, beta), states, o.numpy(), final.numpy())
     bf16 = lambda x: t(x).to(torch.bfloat16)
     o16, none = torch_ops.chunk_gated_delta_rule(bf16(q), bf16(k), bf16(v), t(g), bf16(beta),
                                                  cu_seqlens=t(cu), use_qk_l2norm_in_kernel=True)
@@ -195,6 +244,20 @@ def test_torch_entry_point_as_transformers_calls_it():
     o32, _ = torch_ops.chunk_gated_delta_rule(*(bf16(x).float() for x in (q, k, v)), t(g), bf16(beta).float(),
                                               cu_seqlens=t(cu), use_qk_l2norm_in_kernel=True)
     assert _error(o16.float().numpy(), o32.numpy()) <= BF16_TOLERANCE
+
+
+def test_torch_recurrent_entry_point_as_transformers_decode_calls_it():
+    """The decode step as Qwen3.5 calls it (q and k already repeated to v's heads, one token per
+    sequence, each sequence's cached state): against the reference, states in fp32."""
+    from gated_delta_rule import torch_ops
+
+    q, k, v, g, beta, states = _inputs(4, 1, 2, 2, 32, 16, seed=9)
+    t = torch.from_numpy
+    o, final = torch_ops.fused_recurrent_gated_delta_rule(
+        t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(states), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=None)
+    want_o, want_state = _torch(torch_recurrent_gated_delta_rule, q, k, v, g, beta, states)
+    assert _error(o.numpy(), want_o) <= FP32_TOLERANCE and _error(final.numpy(), want_state) <= FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("change,error,message", [

@@ -1,0 +1,195 @@
+"""A tiny random Qwen3.5 (kernels/seed_models.py) whose linear-attention layers run our gated delta
+rule, hooked in as the card's transformers block does it: kernels' `kernelize` under a
+`use_kernel_mapping` from transformers' layer names `chunk_gated_delta_rule` and
+`fused_recurrent_gated_delta_rule` to the Hub repo's layers (`LayerRepository`, which loads them with
+get_kernel, here offline from the Hub cache that build_collection.load_from_hub lays out). Against
+the same model on transformers' torch code, in fp32: logits over a batch with a left-padded row and
+70 tokens (a chunk of 64 and part of one), a prompt continued on the cache, greedy tokens; and which
+call ran where.
+
+What transformers 5.22 calls in Qwen3_5GatedDeltaNet.forward, so what this covers:
+`torch_chunk_gated_delta_rule` for every forward of more than one token (prefill, and a prompt
+continued on a cache, with the cached state as initial_state), and `torch_recurrent_gated_delta_rule`
+for a decode step (one token with a cache): ours, once per linear-attention layer each.
+`causal_conv1d_fn` and `causal_conv1d_update` around the rule stay transformers' torch code.
+"""
+
+import copy
+import re
+import sys
+
+import pytest
+import torch
+from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+import build_collection
+import seed_models
+
+KERNEL = build_collection.load_manifest()["kernels"]["gated_delta_rule"]
+REPO = KERNEL["repo-id"]
+# transformers' functions are modules (kernels' use_kernel_forward_from_hub), one per modeling file,
+# shared by every Qwen3.5 model: kernelize swaps their forward, so it reaches every such model.
+CHUNK = modeling_qwen3_5.torch_chunk_gated_delta_rule
+RECURRENT = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+PAD = 5  # left padding of the batch's first row
+NEW_TOKENS = 8
+
+
+class OpCalls(TorchDispatchMode):
+    """Records, per call of one of our ops (seen in torch's dispatch, so only if it really ran), the
+    linear-attention layer it ran in, by op: {"chunk": [layers], "recurrent": [layers]}."""
+
+    def __init__(self, qualnames, layer):
+        super().__init__()
+        self.qualnames, self.layer = qualnames, layer
+        self.layers = {name: [] for name in qualnames.values()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = self.qualnames.get(func._schema.name)
+        if name:
+            self.layers[name].append(self.layer[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _card_block(tree):
+    """The card's transformers block as a Hub user reads it (the built README)."""
+    usage = (tree / "README.md").read_text().split("## Usage")[1].split("\n## ")[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", usage, re.S) if "kernelize(" in b]
+    assert len(blocks) == 1, "the card's Usage shows one kernelize block"
+    return blocks[0]
+
+
+def _batch():
+    """Two prompts of 70 tokens (not a multiple of the kernel's 64-token chunk), the first left-padded."""
+    ids = torch.randint(2, 128, (2, 70), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    return ids, mask
+
+
+def _run(model, ids, mask):
+    """Logits of the prompt in one forward, the logits of its last 30 tokens with the first 40 on the
+    cache (transformers then passes the cached state to the rule as initial_state), greedy tokens."""
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask).logits
+        first = model(ids[:, :40], attention_mask=mask[:, :40], use_cache=True)
+        continued = model(ids[:, 40:], attention_mask=mask, past_key_values=first.past_key_values,
+                          use_cache=True).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                pad_token_id=0)
+    return whole, continued, tokens
+
+
+def _real(logits):
+    """The logits at real (not padding) positions."""
+    return torch.cat([logits[0, PAD:], logits[1]])
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory):
+    """(model, fallback results, fp64 logits, our ops' qualnames, linear-attention layer indices). The model's
+    torch results are taken first: kernelize changes transformers' shared function, not a copy."""
+    out = tmp_path_factory.mktemp("build")
+    module = build_collection.load_from_hub(["gated_delta_rule"], out)["gated_delta_rule"]
+    namespace = sys.modules[module.__name__ + "._build"].OP_NAMESPACE
+    qualnames = {f"{namespace}::chunk_gated_delta_rule": "chunk",
+                 f"{namespace}::fused_recurrent_gated_delta_rule": "recurrent"}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(seed_models.config("qwen3_5"), dtype=torch.float32).eval()
+    ids, mask = _batch()
+    fallback = _run(model, ids, mask)
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(ids, attention_mask=mask).logits
+    # The card's calls, with the test's model for its from_pretrained line and the device "cpu" for
+    # "tpu": kernelize picks the mapping's entry for the device it is given, and the model runs on
+    # the CPU here (the kernel in Pallas interpret mode).
+    block = _card_block(out / KERNEL["repo"])
+    load = re.search(r"^model = AutoModelForCausalLM\.from_pretrained\(.*\)\n", block, re.M)
+    assert load, block
+    block = block.replace(load.group(0), "")
+    assert block.count('"tpu"') == 2, block  # the mapping's device and kernelize's
+    names = {"model": model}
+    exec(block.replace('"tpu"', '"cpu"'), names)
+    assert names["model"] is model
+    assert CHUNK.forward.__func__ is module.layers.chunk_gated_delta_rule.forward, "the Hub kernel's layer"
+    assert RECURRENT.forward.__func__ is module.layers.fused_recurrent_gated_delta_rule.forward
+    linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+    yield model, fallback, exact, qualnames, linear
+    # Back to transformers' torch code for later tests in this process: no mapping, so kernelize
+    # restores the functions' own forwards.
+    kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    assert CHUNK.forward.__func__ is type(CHUNK).forward and RECURRENT.forward.__func__ is type(RECURRENT).forward
+
+
+@pytest.fixture
+def calls(hooked):
+    """Our op's calls by layer, and transformers' calls of its chunked and recurrent rules."""
+    model, _, _, qualnames, _ = hooked
+    layer, counts = [None], {"chunk": 0, "recurrent": 0}
+    hooks = [model.model.layers[i].linear_attn.register_forward_pre_hook(lambda m, a, i=i: layer.__setitem__(0, i))
+             for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+    hooks += [f.register_forward_hook(lambda *a, name=name: counts.__setitem__(name, counts[name] + 1))
+              for f, name in ((CHUNK, "chunk"), (RECURRENT, "recurrent"))]
+    with OpCalls(qualnames, layer) as ops:
+        yield ops.layers, counts
+    for hook in hooks:
+        hook.remove()
+
+
+def test_logits_match_the_torch_fallback(hooked, calls):
+    model, (whole, continued, _), exact, _, linear = hooked
+    ops, counts = calls
+    ids, mask = _batch()
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask).logits
+        assert ops == {"chunk": linear, "recurrent": []} and counts == {"chunk": len(linear), "recurrent": 0}, \
+            "ours in every linear layer"
+        first = model(ids[:, :40], attention_mask=mask[:, :40], use_cache=True)
+        ours_continued = model(ids[:, 40:], attention_mask=mask, past_key_values=first.past_key_values,
+                               use_cache=True).logits
+    assert ops == {"chunk": linear * 3, "recurrent": []} and counts == {"chunk": 3 * len(linear), "recurrent": 0}
+    # Tolerance: the fallback's own distance from the fp64 result, twice. The rule's outputs (ours
+    # within a few 1e-6 of the largest from transformers' torch code, which is itself that far
+    # from exact) go through a per-head gated RMSNorm, which scales a small head output's rounding
+    # up with it, then three more layers: fp32 logits of this model are 1e-4 of the largest apart
+    # from exact (measured: fallback 6.7e-4, ours 9.5e-4, ours from fallback 4.3e-4, largest 6.6).
+    # A wrong state or scale moves them by O(1).
+    tolerance = 2 * (_real(whole) - _real(exact)).abs().max().item()
+    assert 0 < tolerance < 1e-3 * exact.abs().max().item()  # rounding, not a broken reference
+    torch.testing.assert_close(_real(ours), _real(whole), rtol=0, atol=tolerance)
+    # The continued prompt runs our kernel from the state our first 40 tokens left in the cache.
+    torch.testing.assert_close(ours_continued, continued, rtol=0, atol=tolerance)
+
+
+def test_greedy_tokens_match_the_torch_fallback(hooked, calls):
+    """Prefill on our chunked kernel, each decode step on our recurrent one (one call per
+    linear-attention layer each), from the states the previous step left."""
+    model, (_, _, tokens), _, _, linear = hooked
+    ops, counts = calls
+    ids, mask = _batch()
+    with torch.no_grad():
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    steps = NEW_TOKENS - 1
+    assert ops == {"chunk": linear, "recurrent": linear * steps}
+    assert counts == {"chunk": len(linear), "recurrent": steps * len(linear)}
+    assert torch.equal(ours, tokens)
+
+
+def test_training_mode_keeps_the_torch_code(hooked):
+    """The ops have no backward: kernelize for training leaves transformers' torch rules in place."""
+    model, _, _, _, _ = hooked
+    mapping = {name: {"cpu": LayerRepository(repo_id=REPO, layer_name=name, version=KERNEL["version"],
+                                             trust_remote_code=[REPO])}
+               for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")}
+    try:
+        with use_kernel_mapping(mapping):
+            kernelize(model, mode=Mode.TRAINING, device="cpu")
+        assert CHUNK.forward.__func__ is type(CHUNK).forward and RECURRENT.forward.__func__ is type(RECURRENT).forward
+    finally:
+        with use_kernel_mapping(mapping):
+            kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    assert CHUNK.forward.__func__ is not type(CHUNK).forward
+    assert RECURRENT.forward.__func__ is not type(RECURRENT).forward
