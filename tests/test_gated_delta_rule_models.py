@@ -1,4 +1,4 @@
-"""A tiny random Qwen3.5 (kernels/seed_models.py) whose linear-attention layers run our gated delta
+"""A tiny random Qwen3.5 and Qwen3.5-MoE (kernels/seed_models.py) whose linear-attention layers run our gated delta
 rule, hooked in as the card's transformers block does it: kernels' `kernelize` under a
 `use_kernel_mapping` from transformers' layer names `chunk_gated_delta_rule` and
 `fused_recurrent_gated_delta_rule` to the Hub repo's layers (`LayerRepository`, which loads them with
@@ -24,16 +24,26 @@ from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 import build_collection
 import seed_models
 
 KERNEL = build_collection.load_manifest()["kernels"]["gated_delta_rule"]
 REPO = KERNEL["repo-id"]
-# transformers' functions are modules (kernels' use_kernel_forward_from_hub), one per modeling file,
-# shared by every Qwen3.5 model: kernelize swaps their forward, so it reaches every such model.
-CHUNK = modeling_qwen3_5.torch_chunk_gated_delta_rule
-RECURRENT = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+# Seed (kernels/seed_models.py) -> its modeling file. transformers' rules are modules (kernels'
+# use_kernel_forward_from_hub), one per modeling file, shared by every model of the family:
+# kernelize swaps their forward, so it reaches every such model.
+FAMILIES = {"qwen3_5": modeling_qwen3_5, "qwen3_5_moe": modeling_qwen3_5_moe}
+
+
+def _rules(seed):
+    """The family's (chunked, recurrent) rule modules."""
+    return FAMILIES[seed].torch_chunk_gated_delta_rule, FAMILIES[seed].torch_recurrent_gated_delta_rule
+
+
+def _torch_code(rules):
+    return all(rule.forward.__func__ is type(rule).forward for rule in rules)
 PAD = 5  # left padding of the batch's first row
 NEW_TOKENS = 8
 
@@ -89,16 +99,27 @@ def _real(logits):
 
 
 @pytest.fixture(scope="module")
-def hooked(tmp_path_factory):
-    """(model, fallback results, fp64 logits, our ops' qualnames, linear-attention layer indices). The model's
-    torch results are taken first: kernelize changes transformers' shared function, not a copy."""
+def hub(tmp_path_factory):
+    """(the kernel loaded from the built tree's Hub cache, the tree)."""
     out = tmp_path_factory.mktemp("build")
-    module = build_collection.load_from_hub(["gated_delta_rule"], out)["gated_delta_rule"]
+    return build_collection.load_from_hub(["gated_delta_rule"], out)["gated_delta_rule"], out / KERNEL["repo"]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hooked(request, hub):
+    """(model, fallback results, fp64 logits, our ops' qualnames, linear-attention layer indices, the
+    family's rules). The model's torch results are taken first: kernelize changes transformers'
+    shared functions, not a copy."""
+    module, tree = hub
+    rules = _rules(request.param)
     namespace = sys.modules[module.__name__ + "._build"].OP_NAMESPACE
     qualnames = {f"{namespace}::chunk_gated_delta_rule": "chunk",
                  f"{namespace}::fused_recurrent_gated_delta_rule": "recurrent"}
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(seed_models.config("qwen3_5"), dtype=torch.float32).eval()
+    # The experts' eager loop: transformers' grouped_mm has no fp64 for the exact reference.
+    experts = {"experts_implementation": "eager"} if request.param in seed_models.MOE else {}
+    model = AutoModelForCausalLM.from_config(seed_models.config(request.param), dtype=torch.float32,
+                                             **experts).eval()
     ids, mask = _batch()
     fallback = _run(model, ids, mask)
     with torch.no_grad():
@@ -106,7 +127,7 @@ def hooked(tmp_path_factory):
     # The card's calls, with the test's model for its from_pretrained line and the device "cpu" for
     # "tpu": kernelize picks the mapping's entry for the device it is given, and the model runs on
     # the CPU here (the kernel in Pallas interpret mode).
-    block = _card_block(out / KERNEL["repo"])
+    block = _card_block(tree)
     load = re.search(r"^model = AutoModelForCausalLM\.from_pretrained\(.*\)\n", block, re.M)
     assert load, block
     block = block.replace(load.group(0), "")
@@ -114,25 +135,25 @@ def hooked(tmp_path_factory):
     names = {"model": model}
     exec(block.replace('"tpu"', '"cpu"'), names)
     assert names["model"] is model
-    assert CHUNK.forward.__func__ is module.layers.chunk_gated_delta_rule.forward, "the Hub kernel's layer"
-    assert RECURRENT.forward.__func__ is module.layers.fused_recurrent_gated_delta_rule.forward
+    assert rules[0].forward.__func__ is module.layers.chunk_gated_delta_rule.forward, "the Hub kernel's layer"
+    assert rules[1].forward.__func__ is module.layers.fused_recurrent_gated_delta_rule.forward
     linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
-    yield model, fallback, exact, qualnames, linear
+    yield model, fallback, exact, qualnames, linear, rules
     # Back to transformers' torch code for later tests in this process: no mapping, so kernelize
     # restores the functions' own forwards.
     kernelize(model, mode=Mode.INFERENCE, device="cpu")
-    assert CHUNK.forward.__func__ is type(CHUNK).forward and RECURRENT.forward.__func__ is type(RECURRENT).forward
+    assert _torch_code(rules)
 
 
 @pytest.fixture
 def calls(hooked):
     """Our op's calls by layer, and transformers' calls of its chunked and recurrent rules."""
-    model, _, _, qualnames, _ = hooked
+    model, _, _, qualnames, _, rules = hooked
     layer, counts = [None], {"chunk": 0, "recurrent": 0}
     hooks = [model.model.layers[i].linear_attn.register_forward_pre_hook(lambda m, a, i=i: layer.__setitem__(0, i))
              for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
     hooks += [f.register_forward_hook(lambda *a, name=name: counts.__setitem__(name, counts[name] + 1))
-              for f, name in ((CHUNK, "chunk"), (RECURRENT, "recurrent"))]
+              for f, name in zip(rules, ("chunk", "recurrent"))]
     with OpCalls(qualnames, layer) as ops:
         yield ops.layers, counts
     for hook in hooks:
@@ -140,7 +161,7 @@ def calls(hooked):
 
 
 def test_logits_match_the_torch_fallback(hooked, calls):
-    model, (whole, continued, _), exact, _, linear = hooked
+    model, (whole, continued, _), exact, _, linear, _ = hooked
     ops, counts = calls
     ids, mask = _batch()
     with torch.no_grad():
@@ -167,7 +188,7 @@ def test_logits_match_the_torch_fallback(hooked, calls):
 def test_greedy_tokens_match_the_torch_fallback(hooked, calls):
     """Prefill on our chunked kernel, each decode step on our recurrent one (one call per
     linear-attention layer each), from the states the previous step left."""
-    model, (_, _, tokens), _, _, linear = hooked
+    model, (_, _, tokens), _, _, linear, _ = hooked
     ops, counts = calls
     ids, mask = _batch()
     with torch.no_grad():
@@ -180,16 +201,15 @@ def test_greedy_tokens_match_the_torch_fallback(hooked, calls):
 
 def test_training_mode_keeps_the_torch_code(hooked):
     """The ops have no backward: kernelize for training leaves transformers' torch rules in place."""
-    model, _, _, _, _ = hooked
+    model, _, _, _, _, rules = hooked
     mapping = {name: {"cpu": LayerRepository(repo_id=REPO, layer_name=name, version=KERNEL["version"],
                                              trust_remote_code=[REPO])}
                for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")}
     try:
         with use_kernel_mapping(mapping):
             kernelize(model, mode=Mode.TRAINING, device="cpu")
-        assert CHUNK.forward.__func__ is type(CHUNK).forward and RECURRENT.forward.__func__ is type(RECURRENT).forward
+        assert _torch_code(rules)
     finally:
         with use_kernel_mapping(mapping):
             kernelize(model, mode=Mode.INFERENCE, device="cpu")
-    assert CHUNK.forward.__func__ is not type(CHUNK).forward
-    assert RECURRENT.forward.__func__ is not type(RECURRENT).forward
+    assert not any(rule.forward.__func__ is type(rule).forward for rule in rules)
