@@ -2,7 +2,8 @@
 (`get_kernel(..., version=N)`, offline from a Hub cache made from build/),
 run it inside tiny random-weight transformers models against transformers'
 eager implementation (experts, or attention), and compile it for each TPU
-generation with libtpu. Then all three at once in a tiny Gemma 4 MoE (the
+generation with libtpu (the gated delta rule in a tiny Qwen3.5's linear-attention layers, put
+there by kernels' kernelize). Then three at once in a tiny Gemma 4 MoE (the
 architecture of Gemma 4 26B-A4B: head_dim 256 sliding and 512 global
 layers, K read as V, experts at unaligned sizes): experts and attention
 against eager, and a serving run on paged attention (kernels/serving_loop.py)
@@ -15,6 +16,8 @@ that chip (no TPU executes anything here).
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 import sys
 import tempfile
@@ -240,10 +243,80 @@ def seed_compiles_for(kernels: dict) -> list[str]:
     return ok
 
 
+GATED_DELTA_RULE_LAYERS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+
+
+def check_gated_delta_rule_in_model(kernel, repo_id: str) -> list[dict]:
+    """A tiny Qwen3.5 whose linear-attention layers run the gated delta rule kernels, put in place by
+    kernels' kernelize as the card shows (device "cpu" here, "tpu" on a TPU), against the same
+    model on transformers' torch code; then the torch code back."""
+    import torch
+    from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
+    from transformers import AutoModelForCausalLM
+
+    import seed_models
+
+    version = build_collection.load_manifest()["kernels"]["gated_delta_rule"]["version"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(seed_models.config("qwen3_5"), dtype=torch.float32).eval()
+    ids = torch.randint(2, 128, (1, 70), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        with torch.no_grad():
+            return model(ids).logits, model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+
+    torch_logits, torch_tokens = run()
+    with torch.no_grad():  # the tolerance: twice transformers' own fp32 distance from fp64 (its gated norms amplify)
+        exact = copy.deepcopy(model).double()(ids).logits
+    tolerance = 2 * (torch_logits - exact).abs().max().item()
+    # kernelize names every hub-decorated layer it leaves alone (the norms, the activations): quiet here.
+    logging.getLogger("kernels").setLevel(logging.ERROR)
+    mapping = {name: {"cpu": LayerRepository(repo_id=repo_id, layer_name=name, version=version,
+                                             trust_remote_code=[repo_id])} for name in GATED_DELTA_RULE_LAYERS}
+    with use_kernel_mapping(mapping):
+        kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    logits, tokens = run()
+    kernelize(model, mode=Mode.INFERENCE, device="cpu")  # no mapping: transformers' torch code again
+    return [{"model": "tiny Qwen3.5 (fp32, vs its torch rule)",
+             "max_logit_diff": (logits - torch_logits).abs().max().item(),
+             "tokens_identical": torch.equal(tokens, torch_tokens), "tolerance": tolerance}]
+
+
+def gated_delta_rule_compiles_for(kernel) -> list[str]:
+    """Generations whose libtpu compiler accepts both kernels at Qwen3.5-9B's linear attention (16
+    q/k heads, 32 value heads, head dims 128, bf16): a 1024-token prefill and a 64-sequence decode
+    step."""
+    import jax.numpy as jnp
+    from runtime.generations import GENERATIONS
+
+    ops = sys.modules[kernel.__name__ + ".ops"]
+    hk, hv, d = 16, 32, 128
+
+    def specs(batch, tokens):
+        return [((batch, tokens, hk, d), jnp.bfloat16)] * 2 + [
+            ((batch, tokens, hv, d), jnp.bfloat16), ((batch, tokens, hv), jnp.float32),
+            ((batch, tokens, hv), jnp.bfloat16), ((batch, hv, d, d), jnp.float32)]
+
+    ok = []
+    for generation in GENERATIONS:
+        try:
+            for fn, args in ((ops.chunk_gated_delta_rule, specs(1, 1024)),
+                             (ops.fused_recurrent_gated_delta_rule, specs(64, 1))):
+                tpu_compile.compile_for(
+                    lambda q, k, v, g, b, h0, fn=fn: fn(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True, interpret=False),
+                    args, generation, "gated_delta_rule")
+            ok.append(generation)
+        except Exception as err:  # report, don't hide: the table shows what failed
+            print(f"  {generation}: does not compile: {str(err).splitlines()[0][:200]}")
+    return ok
+
+
 # Per kernel in build.toml: what the demo runs once the kernel is loaded.
 DEMOS = {
     "ragged_dot": (lambda kernel, repo_id: check_in_models(kernel), compiles_for),
     "flash_attention": (check_attention_in_models, attention_compiles_for),
+    "gated_delta_rule": (check_gated_delta_rule_in_model, gated_delta_rule_compiles_for),
 }
 
 
@@ -262,7 +335,7 @@ def main() -> int:
         nonlocal failed
         for row in rows:
             diff = row["max_logit_diff"]
-            failed |= not row["tokens_identical"] or (diff is not None and diff > 1e-4)
+            failed |= not row["tokens_identical"] or (diff is not None and diff > row.get("tolerance", 1e-4))
             table.append((kernel_name, variant, row["model"], "-" if diff is None else f"{diff:.2e}",
                           "yes" if row["tokens_identical"] else "NO", ", ".join(generations) or "none"))
 
@@ -272,8 +345,7 @@ def main() -> int:
         repos[key] = entry["repo-id"]
         variant = Path(kernel.__file__).parent.parent.name
         if key not in DEMOS:
-            print(f"  loaded {variant}" + ("; its demo is the seed model below" if key == "paged_attention" else
-                                          "; not yet hooked into transformers' layers: no model runs it"))
+            print(f"  loaded {variant}; its demo is the seed model below")
             continue
         check, compiles = DEMOS[key]
         print(f"  loaded {variant}; running tiny models (CPU, interpret mode) ...", flush=True)
@@ -281,10 +353,10 @@ def main() -> int:
         print("  compiling for TPU generations with libtpu ...", flush=True)
         report(entry["repo"], variant, rows, compiles(kernel))
 
-    print("All three in a tiny Gemma 4 MoE (CPU, interpret mode) ...", flush=True)
+    print("Experts, attention and paged attention together in a tiny Gemma 4 MoE (CPU, interpret mode) ...", flush=True)
     rows = check_seed_model(kernels, repos)
     print("  compiling Gemma 4 26B-A4B's paged attention and experts for TPU generations with libtpu ...", flush=True)
-    report("all three", "-", rows, seed_compiles_for(kernels))
+    report("three together", "-", rows, seed_compiles_for(kernels))
 
     header = ("kernel", "variant loaded", "model", "max logit diff", "tokens identical", "compiles for")
     widths = [max(len(str(r[i])) for r in [header, *table]) for i in range(len(header))]

@@ -403,7 +403,8 @@ def _ragged_loop(bundles: list[Bundle], body: slice, operand_list, weight: np.nd
     if len(last_tiles) > 1:
         return None
     row_tiles = last_tiles[0] + 1 if last_tiles else 1
-    tile_rows = -(-(-(-rows // row_tiles)) // 8) * 8  # sublane-aligned
+    per_tile = -(-rows // row_tiles)
+    tile_rows = -(-per_tile // 8) * 8  # sublane-aligned
     if -(-rows // tile_rows) != row_tiles:
         return None
     return RaggedLoop(bounds[-1], rows, matrices[-1][1], tile_rows, int(weight[body].sum()),
