@@ -12,7 +12,7 @@ import types
 import jax
 import torch
 
-from . import ops
+from . import conv, ops
 from ._build import OP_NAMESPACE
 from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, values_on_host
 
@@ -82,6 +82,61 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
                  use_qk_l2norm_in_kernel)
 
 
+def _conv_fn_jax(hidden_states: jax.Array, weight: jax.Array, bias: jax.Array, seq_idx: jax.Array,
+                 activation: str, *, interpret, generation) -> jax.Array:
+    # Empty bias or seq_idx, and "" for the activation, stand for None.
+    return conv.causal_conv1d_fn(hidden_states, weight, bias if bias.size else None, activation or None,
+                                 seq_idx if seq_idx.size else None)
+
+
+def _conv_update_jax(hidden_states: jax.Array, conv_state: jax.Array, weight: jax.Array, bias: jax.Array,
+                     activation: str, *, interpret, generation) -> tuple[jax.Array, jax.Array]:
+    return conv.causal_conv1d_update(hidden_states, conv_state, weight, bias if bias.size else None, activation or None)
+
+
+conv_fn_op = jax_custom_op(f"{OP_NAMESPACE}::causal_conv1d_fn", _conv_fn_jax)
+conv_update_op = jax_custom_op(f"{OP_NAMESPACE}::causal_conv1d_update", _conv_update_jax)
+
+
+def _conv_args(hidden_states, weight, bias, activation, **tensors):
+    check_tensor("hidden_states", hidden_states, 3, FLOAT_DTYPES)
+    check_tensor("weight", weight, 2, FLOAT_DTYPES)
+    if bias is not None:
+        check_tensor("bias", bias, 1, FLOAT_DTYPES)
+    if activation not in conv.ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {sorted(map(str, conv.ACTIVATIONS))}")
+    check_same_device(hidden_states=hidden_states, weight=weight, bias=bias, **tensors)
+    return weight.new_empty(0) if bias is None else bias, activation or ""
+
+
+def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+    """The short causal depthwise convolution over whole sequences, as transformers' `causal_conv1d_fn`:
+    hidden_states [B, D, T], weight [D, taps], bias [D] or None, activation None or "silu"; with
+    seq_idx [B, T] (int: each token's sequence), no tap reads across a sequence's start. Computed in
+    weight's dtype; returns [B, D, T] in hidden_states' dtype. Other keyword arguments are ignored."""
+    bias, activation = _conv_args(hidden_states, weight, bias, activation, seq_idx=seq_idx)
+    if seq_idx is not None:
+        check_tensor("seq_idx", seq_idx, 2, (torch.int32, torch.int64))
+        seq_idx = seq_idx.to(torch.int32)
+    conv.check_shapes(hidden_states.shape, weight.shape, tuple(bias.shape) if bias.numel() else None,
+                      None if seq_idx is None else tuple(seq_idx.shape))
+    return conv_fn_op(hidden_states, weight, bias, hidden_states.new_empty(0, dtype=torch.int32)
+                      if seq_idx is None else seq_idx, activation)
+
+
+def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
+    """A decode step of the same convolution, as transformers' `causal_conv1d_update`: hidden_states
+    [B, D, T] continue conv_state [B, D, S] (the last S inputs), which is updated in place to the new
+    last S inputs. Returns [B, D, T] in hidden_states' dtype."""
+    bias, activation = _conv_args(hidden_states, weight, bias, activation, conv_state=conv_state)
+    check_tensor("conv_state", conv_state, 3, FLOAT_DTYPES)
+    conv.check_shapes(hidden_states.shape, weight.shape, tuple(bias.shape) if bias.numel() else None,
+                      conv_state=tuple(conv_state.shape))
+    out, new_state = conv_update_op(hidden_states, conv_state, weight, bias, activation)
+    conv_state.copy_(new_state)
+    return out
+
+
 class ChunkGatedDeltaRule(torch.nn.Module):
     """`chunk_gated_delta_rule` as the layer that kernels' `kernelize` puts in place of transformers'
     `torch_chunk_gated_delta_rule` (Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's prefill), mapped as
@@ -117,6 +172,25 @@ class FusedRecurrentGatedDeltaRule(torch.nn.Module):
                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
 
 
+class CausalConv1dFn(torch.nn.Module):
+    """`causal_conv1d_fn` as the layer kernelize puts in place of transformers' (prefill)."""
+
+    has_backward = False
+
+    def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
+        return causal_conv1d_fn(hidden_states, weight, bias, activation, **kwargs)
+
+
+class CausalConv1dUpdate(torch.nn.Module):
+    """`causal_conv1d_update` as the layer kernelize puts in place of transformers' (decode)."""
+
+    has_backward = False
+
+    def forward(self, hidden_states, conv_state, weight, bias=None, activation=None):
+        return causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)
+
+
 # What kernels' LayerRepository(layer_name=...) loads: `<kernel module>.layers.<layer_name>`.
 layers = types.SimpleNamespace(chunk_gated_delta_rule=ChunkGatedDeltaRule,
-                               fused_recurrent_gated_delta_rule=FusedRecurrentGatedDeltaRule)
+                               fused_recurrent_gated_delta_rule=FusedRecurrentGatedDeltaRule,
+                               causal_conv1d_fn=CausalConv1dFn, causal_conv1d_update=CausalConv1dUpdate)

@@ -243,7 +243,8 @@ def seed_compiles_for(kernels: dict) -> list[str]:
     return ok
 
 
-GATED_DELTA_RULE_LAYERS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+GATED_DELTA_RULE_LAYERS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                           "causal_conv1d_update")
 
 
 def check_gated_delta_rule_in_model(kernel, repo_id: str) -> list[dict]:

@@ -275,3 +275,66 @@ def test_torch_entry_point_names_bad_arguments(change, error, message):
                 g=torch.zeros(1, 20, 2), beta=torch.zeros(1, 20, 2)) | change
     with pytest.raises(error, match=re.escape(message)):
         torch_ops.chunk_gated_delta_rule(**args)
+
+
+def _conv_inputs(batch=2, channels=24, tokens=9, taps=4, state=3, seed=10):
+    rng = np.random.default_rng(seed)
+    x = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+    return x(batch, channels, tokens), x(channels, taps), x(channels), x(batch, channels, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_causal_conv1d_matches_transformers(dtype, activation):
+    """The short convolution's torch entry points against transformers' own: the whole-sequence form,
+    and a decode step of 2 tokens continuing a cached state (updated in place as transformers'
+    does), bias and SiLU fused. fp32: the same products summed in another order; bf16 inputs with
+    fp32 weights compute in fp32 as transformers does, then round once."""
+    from gated_delta_rule import torch_ops
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, causal_conv1d_update
+
+    x, w, b, state = _conv_inputs()
+    x = x.to(dtype)
+    tolerance = 1e-6 if dtype == torch.float32 else BF16_TOLERANCE
+    want = causal_conv1d_fn(x, w, b, activation=activation)
+    got = torch_ops.causal_conv1d_fn(x, w, b, activation=activation)
+    assert got.dtype == dtype and _error(got.float().numpy(), want.float().numpy()) <= tolerance
+    theirs, ours = state.clone(), state.clone()
+    want = causal_conv1d_update(x[:, :, :2], theirs, w, b, activation)
+    got = torch_ops.causal_conv1d_update(x[:, :, :2], ours, w, b, activation)
+    assert _error(got.float().numpy(), want.float().numpy()) <= tolerance
+    assert torch.equal(ours, theirs) and not torch.equal(ours, state)
+
+
+def test_causal_conv1d_keeps_packed_sequences_apart():
+    """With seq_idx, no tap reads across a sequence's start: each packed sequence equals the
+    convolution of it alone (transformers' torch code, which has no seq_idx, mixes them)."""
+    from gated_delta_rule import torch_ops
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    x, w, b, _ = _conv_inputs(batch=1, tokens=11)
+    starts = [0, 2, 3, 11]  # sequences of 2, 1 and 8 tokens
+    seq_idx = torch.repeat_interleave(torch.arange(3), torch.tensor(np.diff(starts)))[None]
+    got = torch_ops.causal_conv1d_fn(x, w, b, activation="silu", seq_idx=seq_idx)
+    for a, e in zip(starts, starts[1:]):
+        want = causal_conv1d_fn(x[:, :, a:e], w, b, activation="silu")
+        assert _error(got[:, :, a:e].numpy(), want.numpy()) <= 1e-6
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda f, x, w, b, s: f.causal_conv1d_fn(x, w[:5], b), "weight has shape (5, 4), expected [24, taps]"),
+    (lambda f, x, w, b, s: f.causal_conv1d_fn(x, w, b[:5]), "bias has shape (5,), expected [24]"),
+    (lambda f, x, w, b, s: f.causal_conv1d_fn(x, w, b, seq_idx=torch.zeros(2, 8, dtype=torch.int32)),
+     "seq_idx has shape (2, 8), expected [2, 9]"),
+    (lambda f, x, w, b, s: f.causal_conv1d_update(x, s[:, :, :2], w, b), "conv_state has shape (2, 24, 2), expected "
+                                                                         "[2, 24, at least 3]"),
+    (lambda f, x, w, b, s: f.causal_conv1d_fn(x, w, b, activation="gelu"), "activation 'gelu' is not one of"),
+])
+def test_causal_conv1d_names_bad_arguments(call, message):
+    from gated_delta_rule import torch_ops
+
+    x, w, b, state = _conv_inputs()
+    before = state.clone()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(torch_ops, x, w, b, state)
+    assert torch.equal(state, before)

@@ -11,7 +11,7 @@ What transformers 5.22 calls in Qwen3_5GatedDeltaNet.forward, so what this cover
 `torch_chunk_gated_delta_rule` for every forward of more than one token (prefill, and a prompt
 continued on a cache, with the cached state as initial_state), and `torch_recurrent_gated_delta_rule`
 for a decode step (one token with a cache): ours, once per linear-attention layer each.
-`causal_conv1d_fn` and `causal_conv1d_update` around the rule stay transformers' torch code.
+`causal_conv1d_fn` (multi-token) and `causal_conv1d_update` (decode) before the rule: ours too.
 """
 
 import copy
@@ -38,12 +38,15 @@ FAMILIES = {"qwen3_5": modeling_qwen3_5, "qwen3_5_moe": modeling_qwen3_5_moe}
 
 
 def _rules(seed):
-    """The family's (chunked, recurrent) rule modules."""
-    return FAMILIES[seed].torch_chunk_gated_delta_rule, FAMILIES[seed].torch_recurrent_gated_delta_rule
+    """The family's hub-mapped functions (modules): the chunked and recurrent rules, then the convolutions."""
+    modeling = FAMILIES[seed]
+    return (modeling.torch_chunk_gated_delta_rule, modeling.torch_recurrent_gated_delta_rule,
+            modeling.causal_conv1d_fn, modeling.causal_conv1d_update)
 
 
 def _torch_code(rules):
     return all(rule.forward.__func__ is type(rule).forward for rule in rules)
+LAYERS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
 PAD = 5  # left padding of the batch's first row
 NEW_TOKENS = 8
 
@@ -114,7 +117,8 @@ def hooked(request, hub):
     rules = _rules(request.param)
     namespace = sys.modules[module.__name__ + "._build"].OP_NAMESPACE
     qualnames = {f"{namespace}::chunk_gated_delta_rule": "chunk",
-                 f"{namespace}::fused_recurrent_gated_delta_rule": "recurrent"}
+                 f"{namespace}::fused_recurrent_gated_delta_rule": "recurrent",
+                 f"{namespace}::causal_conv1d_fn": "conv", f"{namespace}::causal_conv1d_update": "conv_update"}
     torch.manual_seed(0)
     # The experts' eager loop: transformers' grouped_mm has no fp64 for the exact reference.
     experts = {"experts_implementation": "eager"} if request.param in seed_models.MOE else {}
@@ -135,8 +139,8 @@ def hooked(request, hub):
     names = {"model": model}
     exec(block.replace('"tpu"', '"cpu"'), names)
     assert names["model"] is model
-    assert rules[0].forward.__func__ is module.layers.chunk_gated_delta_rule.forward, "the Hub kernel's layer"
-    assert rules[1].forward.__func__ is module.layers.fused_recurrent_gated_delta_rule.forward
+    for rule, name in zip(rules, LAYERS):
+        assert rule.forward.__func__ is getattr(module.layers, name).forward, ("the Hub kernel's layer", name)
     linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
     yield model, fallback, exact, qualnames, linear, rules
     # Back to transformers' torch code for later tests in this process: no mapping, so kernelize
@@ -153,7 +157,7 @@ def calls(hooked):
     hooks = [model.model.layers[i].linear_attn.register_forward_pre_hook(lambda m, a, i=i: layer.__setitem__(0, i))
              for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
     hooks += [f.register_forward_hook(lambda *a, name=name: counts.__setitem__(name, counts[name] + 1))
-              for f, name in zip(rules, ("chunk", "recurrent"))]
+              for f, name in zip(rules[:2], ("chunk", "recurrent"))]
     with OpCalls(qualnames, layer) as ops:
         yield ops.layers, counts
     for hook in hooks:
@@ -166,12 +170,14 @@ def test_logits_match_the_torch_fallback(hooked, calls):
     ids, mask = _batch()
     with torch.no_grad():
         ours = model(ids, attention_mask=mask).logits
-        assert ops == {"chunk": linear, "recurrent": []} and counts == {"chunk": len(linear), "recurrent": 0}, \
+        assert ops == {"chunk": linear, "recurrent": [], "conv": linear, "conv_update": []}, \
             "ours in every linear layer"
+        assert counts == {"chunk": len(linear), "recurrent": 0}
         first = model(ids[:, :40], attention_mask=mask[:, :40], use_cache=True)
         ours_continued = model(ids[:, 40:], attention_mask=mask, past_key_values=first.past_key_values,
                                use_cache=True).logits
-    assert ops == {"chunk": linear * 3, "recurrent": []} and counts == {"chunk": 3 * len(linear), "recurrent": 0}
+    assert ops == {"chunk": linear * 3, "recurrent": [], "conv": linear * 3, "conv_update": []}
+    assert counts == {"chunk": 3 * len(linear), "recurrent": 0}
     # Tolerance: the fallback's own distance from the fp64 result, twice. The rule's outputs (ours
     # within a few 1e-6 of the largest from transformers' torch code, which is itself that far
     # from exact) go through a per-head gated RMSNorm, which scales a small head output's rounding
@@ -194,7 +200,7 @@ def test_greedy_tokens_match_the_torch_fallback(hooked, calls):
     with torch.no_grad():
         ours = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     steps = NEW_TOKENS - 1
-    assert ops == {"chunk": linear, "recurrent": linear * steps}
+    assert ops == {"chunk": linear, "recurrent": linear * steps, "conv": linear, "conv_update": linear * steps}
     assert counts == {"chunk": len(linear), "recurrent": steps * len(linear)}
     assert torch.equal(ours, tokens)
 
@@ -204,7 +210,7 @@ def test_training_mode_keeps_the_torch_code(hooked):
     model, _, _, _, _, rules = hooked
     mapping = {name: {"cpu": LayerRepository(repo_id=REPO, layer_name=name, version=KERNEL["version"],
                                              trust_remote_code=[REPO])}
-               for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")}
+               for name in LAYERS}
     try:
         with use_kernel_mapping(mapping):
             kernelize(model, mode=Mode.TRAINING, device="cpu")
