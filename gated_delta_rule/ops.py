@@ -92,7 +92,7 @@ def chunk_layout(cu_seqlens, tokens: int, seqs: int, chunk: int):
     offset = jnp.arange(chunk, dtype=jnp.int32)
     valid = live[:, None] & (offset[None, :] < (lens[s] - i * chunk)[:, None])
     token = jnp.where(valid, cu[s][:, None] + i[:, None] * chunk + offset[None, :], tokens)
-    return seq, first, last, token, lens
+    return seq, first, last, token
 
 
 def _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret):
@@ -114,9 +114,16 @@ def _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret):
             default_interpret() if interpret is None else interpret, h0, q, k)
 
 
-def _final_states(final, h0, lens, output_final_state):
-    # A sequence with no tokens is never visited: its state passes through.
-    return jnp.where((lens == 0)[:, None, None, None], h0, final) if output_final_state else None
+def _outputs(o, final, h0, cu, tokens: int, output_final_state):
+    """(o, final states or None). A sequence with no tokens is never visited: its state passes
+    through. Offsets on the device that do not rise from 0 to at most the token count (not checked
+    on the host: that would sync) make every output NaN rather than silently wrong; tokens past
+    the last offset are padding, ignored."""
+    valid = (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] <= tokens)
+    o = jnp.where(valid, o, jnp.nan).astype(o.dtype)
+    if not output_final_state:
+        return o, None
+    return o, jnp.where(valid, jnp.where((cu[1:] == cu[:-1])[:, None, None, None], h0, final), jnp.nan)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -126,7 +133,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     seqs, cu, scale, interpret, h0, q, k = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
     total = batch * tokens
-    seq, first, last, token, lens = chunk_layout(cu, total, seqs, chunk_size)
+    seq, first, last, token = chunk_layout(cu, total, seqs, chunk_size)
     count = seq.shape[0]
     index = token.reshape(-1)
 
@@ -141,19 +148,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                              heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), out_dtype=out_dtype,
                              interpret=interpret)
     o = jnp.zeros((total, hv, dv), out_dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
-    return o.reshape(batch, tokens, hv, dv), _final_states(final, h0, lens, output_final_state)
+    return _outputs(o.reshape(batch, tokens, hv, dv), final, h0, cu, total, output_final_state)
 
 
 def token_layout(cu_seqlens, tokens: int, seqs: int):
     """Per token: its sequence (tokens past the live ones: the last sequence), whether it is its
-    sequence's first and last token, and whether it is live; per sequence, its length."""
+    sequence's first and last token, and whether it is live."""
     cu = cu_seqlens.astype(jnp.int32)
     t = jnp.arange(tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, seqs - 1).astype(jnp.int32)
     live = t < cu[-1]
     first = (live & (t == cu[seq])).astype(jnp.int32)
     last = (live & (t == cu[seq + 1] - 1)).astype(jnp.int32)
-    return seq, first, last, live, cu[1:] - cu[:-1]
+    return seq, first, last, live
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -162,10 +169,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     seqs, cu, scale, interpret, h0, q, k = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
     total = batch * tokens
-    seq, first, last, live, lens = token_layout(cu, total, seqs)
+    seq, first, last, live = token_layout(cu, total, seqs)
     flat = lambda x: jnp.asarray(x).reshape(total, *x.shape[2:])
     gb = jnp.stack([flat(jnp.asarray(g, jnp.float32)), flat(jnp.asarray(beta, jnp.float32))], axis=-1)
     o, final = recurrent_forward(seq, first, last, flat(q), flat(k), flat(v), gb, h0, num_seqs=seqs, scale=scale,
                                  l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype, interpret=interpret)
     o = jnp.where(live[:, None, None], o, 0).astype(out_dtype).reshape(batch, tokens, hv, dv)
-    return o, _final_states(final, h0, lens, output_final_state)
+    return _outputs(o, final, h0, cu, total, output_final_state)

@@ -185,6 +185,21 @@ def test_recurrent_packed_sequences_and_tokens_past_the_live_ones():
     assert not np.asarray(o[:, 5:]).any()
 
 
+@pytest.mark.parametrize("entry", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+@pytest.mark.parametrize("cu", [[0, 5, 3, 7], [1, 3, 5, 7], [0, 3, 5, 9]])
+def test_bad_offsets_on_the_device_make_every_output_nan(entry, cu):
+    """Offsets that do not rise from 0 to at most the token count, traced (so not checked on the
+    host, which would sync): every output and state NaN, never a silently wrong result."""
+    q, k, v, g, beta, _ = _inputs(1, 7, 1, 2, 32, 16, seed=11)
+    states = _inputs(1, 1, 1, 2, 32, 16, seqs=3, seed=12)[-1]
+    run = jax.jit(lambda cu, *x: getattr(ops, entry)(*x, initial_state=states, output_final_state=True,
+                                                     cu_seqlens=cu, interpret=True))
+    o, final = run(jnp.asarray(cu, jnp.int32), q, k, v, g, beta)
+    assert bool(jnp.isnan(o).all()) and bool(jnp.isnan(final).all())
+    good, _ = run(jnp.asarray([0, 3, 5, 7], jnp.int32), q, k, v, g, beta)
+    assert bool(jnp.isfinite(good).all())
+
+
 @pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
 def test_recurrent_compiles_for_tpu(generation):
     """libtpu compiles the decode step at Qwen3.5-9B's linear attention (16 q/k heads, 32 value heads,
