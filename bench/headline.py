@@ -191,8 +191,8 @@ def model_program(fn, args, generation: str, walk: bool = True, group_sizes=None
 
 
 def programs(h: Headline, tokens: int, generation: str):
-    """{implementation: (fn, args, walk)} of one layer at one batch, or an error string for an
-    implementation that cannot run it."""
+    """{implementation: (fn, args, walk)} of one layer at one batch (fused_moe only where
+    tpu-inference is installed)."""
     args = inputs(h, tokens)
     found = {impl: (fn, args, True) for impl, fn in implementations(h, np.asarray(args[1]), generation).items()}
     found[EXPERT_PARALLEL] = (*expert_parallel_per_chip(h, args, generation), True)
@@ -337,12 +337,13 @@ How to read it:
   transformers' gate_up_proj [E, 2I, H] with H 2048 or more makes XLA tile the contraction inside
   the loop, which is counted once (a lower bound); the eager loop's gathers and scatters over the
   routed tokens are counted once.
-- Where ours loses to an opponent that is not a lower bound, or loses by more than the bound can hide,
-  it is the weights' stream: decode reads each routed expert's weights once, and ours sits above the
-  floor by the per-step DMA latency of Pallas' two-deep pipeline (one weight tile per grid step, each
-  step waiting on the next tile's DMA; XLA's ops are modeled without a per-step cost). On tpu7x the
-  weight push into the MXU, not HBM, bounds a decode step of few rows per expert. A deeper, manually
-  issued weight pipeline is the next step for the kernel.
+- Where ours loses, the rows broken down per kernel so far point at the weights' stream (not every
+  losing row was): at Qwen3-30B-A3B's batch 64 on v6e, decode reads each routed expert's weights once
+  and ours sits above the floor by the per-step DMA latency of Pallas' two-deep pipeline (one
+  expert's weight tile per grid step, each step waiting on the next tile's DMA; XLA's ops are modeled
+  without a per-step cost); on tpu7x's decode, the compiled steps show the weight push into the MXU,
+  not HBM, bounding a step of few rows per expert. A deeper, manually issued weight pipeline is the
+  next step for the kernel.
 - Decode at batch 64 and more reads nearly every expert's weights, so every implementation that reads
   each expert's weights once is bound by the same bytes. batched_mm copies each (token, expert) pair's
   weights: top-k times the bytes.

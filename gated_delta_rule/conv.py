@@ -34,11 +34,15 @@ def check_shapes(x, weight, bias=None, seq_idx=None, conv_state=None) -> None:
                          f"[{batch}, {channels}, at least {weight[1] - 1}]")
 
 
+def check_activation(activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"causal_conv1d: activation {activation!r} is not one of {sorted(map(str, ACTIVATIONS))}")
+
+
 def _check(x, weight, bias, activation, seq_idx=None, conv_state=None):
     check_shapes(x.shape, weight.shape, None if bias is None else bias.shape, None if seq_idx is None else seq_idx.shape,
                  None if conv_state is None else conv_state.shape)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"causal_conv1d: activation {activation!r} is not one of {sorted(map(str, ACTIVATIONS))}")
+    check_activation(activation)
 
 
 def _conv(padded, weight, bias, activation, tokens: int, seq_idx=None):

@@ -99,12 +99,12 @@ conv_update_op = jax_custom_op(f"{OP_NAMESPACE}::causal_conv1d_update", _conv_up
 
 
 def _conv_args(hidden_states, weight, bias, activation, **tensors):
+    """Checked before any op runs: (bias, or an empty tensor for None; activation, or "" for None)."""
     check_tensor("hidden_states", hidden_states, 3, FLOAT_DTYPES)
     check_tensor("weight", weight, 2, FLOAT_DTYPES)
     if bias is not None:
         check_tensor("bias", bias, 1, FLOAT_DTYPES)
-    if activation not in conv.ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of {sorted(map(str, conv.ACTIVATIONS))}")
+    conv.check_activation(activation)
     check_same_device(hidden_states=hidden_states, weight=weight, bias=bias, **tensors)
     return weight.new_empty(0) if bias is None else bias, activation or ""
 
@@ -114,9 +114,10 @@ def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=
     hidden_states [B, D, T], weight [D, taps], bias [D] or None, activation None or "silu"; with
     seq_idx [B, T] (int: each token's sequence), no tap reads across a sequence's start. Computed in
     weight's dtype; returns [B, D, T] in hidden_states' dtype. Other keyword arguments are ignored."""
-    bias, activation = _conv_args(hidden_states, weight, bias, activation, seq_idx=seq_idx)
     if seq_idx is not None:
         check_tensor("seq_idx", seq_idx, 2, (torch.int32, torch.int64))
+    bias, activation = _conv_args(hidden_states, weight, bias, activation, seq_idx=seq_idx)
+    if seq_idx is not None:
         seq_idx = seq_idx.to(torch.int32)
     conv.check_shapes(hidden_states.shape, weight.shape, tuple(bias.shape) if bias.numel() else None,
                       None if seq_idx is None else tuple(seq_idx.shape))
@@ -128,8 +129,8 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
     """A decode step of the same convolution, as transformers' `causal_conv1d_update`: hidden_states
     [B, D, T] continue conv_state [B, D, S] (the last S inputs), which is updated in place to the new
     last S inputs. Returns [B, D, T] in hidden_states' dtype."""
-    bias, activation = _conv_args(hidden_states, weight, bias, activation, conv_state=conv_state)
     check_tensor("conv_state", conv_state, 3, FLOAT_DTYPES)
+    bias, activation = _conv_args(hidden_states, weight, bias, activation, conv_state=conv_state)
     conv.check_shapes(hidden_states.shape, weight.shape, tuple(bias.shape) if bias.numel() else None,
                       conv_state=tuple(conv_state.shape))
     out, new_state = conv_update_op(hidden_states, conv_state, weight, bias, activation)
