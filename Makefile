@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test build bench bench-flash bench-paged tune tune-flash tune-paged check-tuned check-compile publish venv clean
+.DEFAULT_GOAL := help
+
+.PHONY: help demo test build bench bench-flash bench-paged tune tune-flash tune-paged check-tuned check-compile publish venv clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -19,48 +21,52 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) -m pip install --quiet --no-deps tpu-inference==0.32.0
 	touch $(BENCH_STAMP)
 
-venv: $(STAMP)
+venv: $(STAMP) ## the pinned dependencies in .venv (about a minute)
 
-demo: $(STAMP)
+demo: $(STAMP) ## builds every kernel, loads it with get_kernel offline, runs tiny models with it and compiles for 4 TPU generations (about 5 minutes)
 	$(PY) kernels/demo.py
 
 # The tests run the bench's anchors too (tokamax, tpu-inference): they need its requirements.
-test: $(BENCH_STAMP)
+test: $(BENCH_STAMP) ## the whole test suite on both cores (about 25 minutes)
 	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25
 
-build: $(STAMP)
+build: $(STAMP) ## the Hub repo trees in build/ (seconds)
 	$(PY) kernels/build_collection.py
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) ## ragged_dot's modeled bench, its calibration and the headline (about 2.5 hours for v6e and tpu7x; BENCH_ARGS="--generations v6e" for a part, --merge to join parts)
 	$(PY) bench/bench.py $(BENCH_ARGS)
 	$(PY) bench/calibration.py measured
 	$(PY) bench/headline.py
 
-bench-flash: $(BENCH_STAMP)
+bench-flash: $(BENCH_STAMP) ## flash attention against its anchors, modeled (hours per generation; BENCH_ARGS="--tokens 8192 --generations v6e" for a part)
 	$(PY) bench/flash_bench.py $(BENCH_ARGS)
 
-bench-paged: $(BENCH_STAMP)
+bench-paged: $(BENCH_STAMP) ## paged attention on serving batches against its anchors, modeled (about an hour per generation)
 	$(PY) bench/paged_bench.py $(BENCH_ARGS)
 
-tune-flash: $(STAMP)
+tune-flash: $(STAMP) ## flash attention's tuning table (10 to 20 minutes per entry; resumable)
 	$(PY) bench/flash_tune.py $(TUNE_ARGS)
 
-tune-paged: $(STAMP)
+tune-paged: $(STAMP) ## paged attention's tuning table (about 3 minutes per entry; resumable)
 	$(PY) bench/paged_tune.py $(TUNE_ARGS)
 
-tune: $(STAMP)
+tune: $(STAMP) ## ragged_dot's tuning table from the bench model (about an hour per generation; resumable; TUNE_ARGS="--generations v6e")
 	$(PY) bench/tune.py $(TUNE_ARGS)
 
-check-tuned: $(STAMP)
+check-tuned: $(STAMP) ## compiles every shipped tuning entry (hours)
 	RAGGED_DOT_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_tuned_blocks.py -q
 	FLASH_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_flash_attention_tpu.py -q -k tuned_entry
 	PAGED_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_paged_attention_tpu.py -q -k tuned_entry
 
-check-compile: $(STAMP)
+check-compile: $(STAMP) ## every compile case of ragged_dot, flash and paged attention (about an hour)
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_ragged_dot_tpu.py tests/test_flash_attention_tpu.py tests/test_paged_attention_tpu.py -q
 
-publish: $(STAMP)
+publish: $(STAMP) ## uploads build/ to the Hub (needs a token; PUBLISH_ARGS=--dry-run prints what it would do)
 	$(PY) kernels/publish.py $(PUBLISH_ARGS)
 
-clean:
+clean: ## removes build/ and partial results (seconds)
 	rm -rf build bench/results/*.tmp
+
+help: ## every target and its time on 2 cores (this list)
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /\1\t/' | \
+		awk -F '\t' '{ printf "make %-14s %s\n", $$1, $$2 }'

@@ -26,20 +26,12 @@ import dataclasses
 import functools
 import importlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(BENCH)]
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-if "--tpu" not in sys.argv:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import tpu_compile
-
-    tpu_compile.configure_environment()
+import harness  # sets up sys.path and the environment (the CPU and libtpu, or a TPU with --tpu)
+from harness import BENCH  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -81,24 +73,6 @@ MOE_SHAPES = [
 PHASES = {"small-decode": 16, "decode": 64, "prefill": 8192}
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replaces the file whole: a run stopped mid-write leaves the old one."""
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(text)
-    partial.replace(path)
-
-
-def traced_on_target(fn, generation: str):
-    """fn traced with the generation's device as jax's default, as `tpu_compile.compile_for` traces
-    it: the experts then take their weights in the layouts that chip holds them in
-    (`ragged_dot.ops.stored_order`: Gemma 4's unaligned weights are held transposed), so the
-    grouped matmuls traced, walked and looked up are those a user's TPU runs."""
-    def traced(*args):
-        with jax.default_device(tpu_compile.device_for(generation)):
-            return fn(*args)
-    return traced
-
-
 def routing(shape: MoeShape, tokens: int, seed: int = 0) -> np.ndarray:
     """Group sizes of a uniform random top-k routing (k distinct experts per token)."""
     rng = np.random.default_rng(seed)
@@ -125,7 +99,7 @@ def kernel_layout(shape: MoeShape, matmul, generation: str) -> bool:
     _, k, n = matmul
     weights = (shape.experts, k, n) if shape.gpt_oss_layout else (shape.experts, n, k)
     from ragged_dot import ops
-    order = traced_on_target(lambda: ops.stored_order(weights, jnp.bfloat16), generation)()
+    order = harness.on_target(lambda: ops.stored_order(weights, jnp.bfloat16), generation)()
     return shape.gpt_oss_layout != (order == (0, 2, 1))
 
 
@@ -294,18 +268,14 @@ def modeled_seconds(cost, generation: str, parallel_extent: int, copy_bytes: int
 KERNEL_NAMES = ("ragged_dot_tpu", "gmm", "tgmm")
 
 
-def schedule_model(costs, report) -> dict:
-    """The schedule model (bench/pipeline.py) for a compiled program whose
-    Pallas kernels were walked: each kernel's pipeline, and XLA's ops
-    around them. Fields in us, with the first kernel's schedule figures."""
-    schedules = report.schedules
-    parts = pipeline.program_seconds(costs, schedules, report.generation)
-    schedule = schedules[parts["kernel_ops"][0]]
-    return dict(modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, around_us=parts["around"] * 1e6,
-                compute_us=parts["compute"] * 1e6, dma_us=parts["dma"] * 1e6, fill_drain_us=parts["fill_drain"] * 1e6,
-                regions_mapped=parts["regions_mapped"], bundles=schedule.bundles,
-                step_cycles_max=schedule.iteration_cycles, matmuls_per_step=schedule.matmuls,
-                weight_pushes_per_step=schedule.weight_pushes)
+def schedule_fields(m: "harness.Measurement") -> dict:
+    """A row's schedule-model fields (us), with its kernel's schedule figures."""
+    schedule = m.kernel_schedules[0]
+    figures = m.figures()
+    return dict({k: figures[k] for k in ("modeled_us", "kernel_us", "around_us", "compute_us", "dma_us",
+                                         "fill_drain_us", "regions_mapped")},
+                bundles=schedule.bundles, step_cycles_max=schedule.iteration_cycles,
+                matmuls_per_step=schedule.matmuls, weight_pushes_per_step=schedule.weight_pushes)
 
 
 IMPLS = ("ours", "megablox 128^3", "megablox ours' tiles", "megablox best", "tokamax", "tpu-inference")
@@ -316,13 +286,10 @@ V1 = "ours v1"
 
 def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: str, compile_check: bool,
               only=IMPLS):
-    import grid_walk
-
     name, k, n = matmul
     tokens = PHASES[phase]
     rows = tokens * shape.top_k
     sizes = routing(shape, tokens)
-    gen = GENERATIONS[generation]
     layout = kernel_layout(shape, matmul, generation)
     a_shape, b_shape = pass_operands(pass_name, rows, k, n, shape.experts, layout)
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16), jnp.asarray(sizes))
@@ -338,14 +305,13 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
                    generation=generation, impl=impl, tiling="x".join(map(str, tiling)), rows=rows, K=k, N=n,
                    groups=shape.experts, active_groups=active, vmem_limit=vmem_limit,
                    min_bytes=2 * (in_elems + out_elems), min_flops=2 * rows * k * n)
-        cost = report = None
+        cost = None
         try:
             if family(impl) in ("ours", "tpu-inference"):
-                (cost,), copies = grid_walk.kernel_costs_and_copies(fn, impl_args, gen.mxu_width)
+                (cost,), copies = harness.walk(fn, impl_args, generation)
             else:  # megablox's kernel (tokamax's too: see implementations), walked once per tiling
                 if tiling not in walks:
-                    walks[tiling] = grid_walk.kernel_costs_and_copies(at_tiling["megablox"](tiling)[0], args,
-                                                                      gen.mxu_width)
+                    walks[tiling] = harness.walk(at_tiling["megablox"](tiling)[0], args, generation)
                 (cost,), copies = walks[tiling]
                 cost = as_tokamax(cost) if family(impl) == "tokamax" else cost
             formula = modeled_seconds(cost, generation, cost.grid[0], copies)
@@ -355,16 +321,17 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
             row.update(error=f"walk: {str(err).splitlines()[0][:160]}")
         if compile_check:
             try:
-                report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in impl_args], generation, "")
-                kernels = [r for op, r in report.kernels.items() if any(n in op for n in KERNEL_NAMES)]
-                row.update(compiles=True, vmem_used=max((r.vmem_bytes for r in kernels), default=None))
+                report = harness.compile(fn, impl_args, generation)
+                row.update(compiles=True, vmem_used=max((r.vmem_bytes for op, r in report.kernels.items()
+                                                         if any(n in op for n in KERNEL_NAMES)), default=None))
             except Exception as err:  # noqa: BLE001
                 row.update(compiles=False, error=f"compile: {str(err).splitlines()[0][:160]}")
-        if cost is not None and report is not None:
-            try:
-                row.update(schedule_model([cost], report))
-            except Exception as err:  # noqa: BLE001
-                row.update(error=f"schedule: {str(err).splitlines()[0][:160]}")
+            else:
+                if cost is not None:
+                    try:
+                        row.update(schedule_fields(harness.model([cost], report, generation, copies)))
+                    except Exception as err:  # noqa: BLE001
+                        row.update(error=f"schedule: {str(err).splitlines()[0][:160]}")
         return row
 
     wanted = lambda impl: family(impl) == "megablox" and "megablox best" in only or impl.split(" sweep")[0] in only
@@ -708,40 +675,36 @@ def main(argv=None) -> int:
     shapes = [s for s in MOE_SHAPES if s.model in args.models]
     args.out.mkdir(parents=True, exist_ok=True)
 
+    results = harness.Results(args.out / "ragged_dot.json", key=lambda r: (*case_of(r), r["impl"]), order=row_order)
+    for path in args.merge:
+        results.merge(path)
+
+    def write() -> None:
+        ratio_rows(results.rows)
+        results.save()
+        write_markdown(results.rows, args.out / "ragged_dot.md")
+
     if args.merge:
-        merged = {}
-        for path in [args.out / "ragged_dot.json", *args.merge]:
-            merged.update({(*case_of(r), r["impl"]): r for r in (json.loads(path.read_text()) if path.exists() else [])})
-        results = list(merged.values())
-        ratio_rows(results)
-        write_atomically(args.out / "ragged_dot.json", json.dumps(sorted(results, key=row_order), indent=1))
-        write_markdown(results, args.out / "ragged_dot.md")
-        write_charts(results, args.out)
+        write()
+        write_charts(results.rows, args.out)
         return 0
 
     if args.tpu:
-        results = run_on_tpu(shapes, args.phases)
-        write_atomically(args.out / "ragged_dot_tpu_measured.json", json.dumps(results, indent=1))
+        measured = run_on_tpu(shapes, args.phases)
+        harness.write_atomically(args.out / "ragged_dot_tpu_measured.json", json.dumps(measured, indent=1))
         return 0
 
     cases = [(s, p, m, ps, g) for s in shapes for p in args.phases for m in matmuls(s) for ps in args.passes
              for g in args.generations]
-    results, start = [], time.perf_counter()
-    # The rows of cases not run now are kept: a subset run never loses the committed results.
-    if (args.out / "ragged_dot.json").exists():
-        redone = {(s.model, p, m[0], ps, g, i) for s, p, m, ps, g in cases for i in args.impls}
-        results = [r for r in json.loads((args.out / "ragged_dot.json").read_text())
-                   if (*case_of(r), r["impl"]) not in redone]
+    start = time.perf_counter()
     for i, (shape, phase, matmul, pass_name, generation) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {shape.model} {phase} {matmul[0]} {pass_name} {generation} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
-        results += bench_one(shape, phase, matmul, pass_name, generation, compile_check=not args.no_compile,
-                             only=args.impls)
-        ratio_rows(results)
-        # Rewritten after every case, so a long run interrupted still leaves a table.
-        write_atomically(args.out / "ragged_dot.json", json.dumps(results, indent=1))
-        write_markdown(results, args.out / "ragged_dot.md")
-    write_charts(results, args.out)
+        # The case's rows of the implementations run replace their namesakes; every other row is kept.
+        results.put(*bench_one(shape, phase, matmul, pass_name, generation, compile_check=not args.no_compile,
+                               only=args.impls), save=False)
+        write()
+    write_charts(results.rows, args.out)
     print(f"wrote {args.out / 'ragged_dot.md'}, .json and a chart per generation: MODELED figures, not TPU "
           "measurements")
     return 0

@@ -19,14 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-import bench  # sets up sys.path and the CPU / libtpu environment
+import harness  # sets up sys.path and the CPU / libtpu environment
+import bench  # noqa: E402  (as_tokamax)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-import tpu_compile  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
 
 import dataclasses  # noqa: E402
@@ -36,7 +36,6 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-import grid_walk  # noqa: E402
 import pipeline  # noqa: E402
 
 CASES = Path(__file__).resolve().parent / "calibration_cases.json"
@@ -70,10 +69,12 @@ def dense_matmul(block_m: int, block_k: int = DENSE_BLOCK, block_n: int = DENSE_
         name="dense_calibration")
 
 
+DENSE_ARG = jax.ShapeDtypeStruct((DENSE_SIZE, DENSE_SIZE), jnp.bfloat16)
+
+
 def accumulate_cycles(generation: str, block_m: int) -> int:
     """Issue cycles of a dense step that neither zeroes nor stores."""
-    report = tpu_compile.compile_for(dense_matmul(block_m), [((DENSE_SIZE, DENSE_SIZE), jnp.bfloat16)] * 2,
-                                     generation, "dense_calibration")
+    report = harness.compile(dense_matmul(block_m), [DENSE_ARG] * 2, generation, "dense_calibration")
     (kernel,) = report.kernels.values()
     zero, store = kernel.schedule.regions
     return kernel.schedule.iteration_cycles - zero.cycles - store.cycles
@@ -116,19 +117,17 @@ def case_program(case: dict):
 def model_case(case: dict) -> dict:
     fn, args = case_program(case)
     generation = case["generation"]
-    costs = grid_walk.kernel_costs(fn, args, GENERATIONS[generation].mxu_width)
+    costs, copies = harness.walk(fn, args, generation)
     if case["kind"] == "gmm":
         costs = [bench.as_tokamax(c) for c in costs]
     # The measurements' kernels set no VMEM limit; their runs raised Mosaic's
     # default (their tiles do not fit it): give them the chip's VMEM.
-    vmem_kib = GENERATIONS[generation].vmem_bytes // 1024
-    report = tpu_compile.compile_for(fn, [(a.shape, a.dtype) for a in args], generation, "",
-                                     {"xla_tpu_scoped_vmem_limit_kib": str(vmem_kib)})
-    schedules = report.schedules
-    parts = pipeline.program_seconds(costs, schedules, generation, group_sizes=np.asarray(args[2]))
-    return dict(case, modeled_ms=parts["modeled"] * 1e3, ratio=parts["modeled"] * 1e3 / case["measured_ms"],
-                compute_ms=parts["compute"] * 1e3, dma_ms=parts["dma"] * 1e3, xla_ops_ms=parts["around"] * 1e3,
-                grid_steps=sum(c.grid_steps for c in costs), regions_mapped=parts["regions_mapped"])
+    m = harness.measure(fn, args, generation, compiler_options=harness.chip_vmem_option(generation), costs=costs,
+                        copies=copies, group_sizes=np.asarray(args[2]))
+    ms = lambda key: m.parts[key] * 1e3
+    return dict(case, modeled_ms=ms("modeled"), ratio=ms("modeled") / case["measured_ms"], compute_ms=ms("compute"),
+                dma_ms=ms("dma"), xla_ops_ms=ms("around"), grid_steps=m.figures()["grid_steps"],
+                regions_mapped=m.parts["regions_mapped"])
 
 
 # ---------------------------------------------------------------- attention
@@ -207,21 +206,14 @@ def tokamax_attention_program(case: dict):
 def _attention_parts(fn, specs, generation: str) -> dict:
     """The program's modeled parts, per kernel too, and what the single MXU-calibrated clock gave
     (`before_ms`: every bundle at `clock_hz`, no MXU floor)."""
-    gen = GENERATIONS[generation]
-    costs = grid_walk.kernel_costs(fn, [jax.ShapeDtypeStruct(s, d) for s, d in specs], gen.mxu_width)
-    report = tpu_compile.compile_for(fn, specs, generation, "splash",
-                                     {"xla_tpu_scoped_vmem_limit_kib": str(gen.vmem_bytes // 1024)})
-    parts = pipeline.program_seconds(costs, report.schedules, generation)
-    before = pipeline.program_seconds([dataclasses.replace(c, dots_counted=False) for c in costs], report.schedules,
-                                      generation)
-    matched = pipeline.match_kernels(costs, report.schedules)
-    kernels = {c.name.split("(")[0]: pipeline.kernel_seconds(c, report.schedules[matched[i]], generation)
-               for i, c in enumerate(costs)}
-    before_kernels = {c.name.split("(")[0]: pipeline.kernel_seconds(dataclasses.replace(c, dots_counted=False),
-                                                                  report.schedules[matched[i]], generation)
-                      for i, c in enumerate(costs)}
-    return dict(parts=parts, before=before, kernels=kernels, before_kernels=before_kernels,
-                steps=sum(c.grid_steps for c in costs), costs=costs, schedules=report.schedules)
+    m = harness.measure(fn, [jax.ShapeDtypeStruct(s, d) for s, d in specs], generation, "splash",
+                        compiler_options=harness.chip_vmem_option(generation))
+    uncounted = [dataclasses.replace(c, dots_counted=False) for c in m.costs]
+    before = harness.model(uncounted, m.report, generation)
+    per_kernel = lambda costs: {c.name.split("(")[0]: pipeline.kernel_seconds(c, s, generation)
+                                for c, s in zip(costs, m.kernel_schedules)}
+    return dict(parts=m.parts, before=before.parts, kernels=per_kernel(m.costs), before_kernels=per_kernel(uncounted),
+                steps=m.figures()["grid_steps"], measurement=m)
 
 
 def model_attention_case(case: dict, keep_programs: bool = False) -> dict:
@@ -278,8 +270,8 @@ def derived_issue_clock_hz(generation: str = "tpu7x", rows: list[dict] | None = 
 
     def log_ratio(clock):
         pipeline.ISSUE_CLOCK_HZ[generation] = clock
-        return np.mean([np.log(pipeline.program_seconds(g["costs"], g["schedules"], generation)["modeled"] * 1e3
-                               / c["measured_ms"]) for c, g in programs])
+        remodeled = lambda m: harness.model(m.costs, m.report, generation).modeled_s
+        return np.mean([np.log(remodeled(g["measurement"]) * 1e3 / c["measured_ms"]) for c, g in programs])
 
     low, high = 0.5e9, 4e9
     try:
@@ -294,8 +286,7 @@ def derived_issue_clock_hz(generation: str = "tpu7x", rows: list[dict] | None = 
 
 def vmatmul_pace_cycles(generation: str) -> float:
     """Cycles (of `clock_hz`) per vmatmul of the dense calibration matmul's accumulate step."""
-    report = tpu_compile.compile_for(dense_matmul(1024), [((DENSE_SIZE, DENSE_SIZE), jnp.bfloat16)] * 2,
-                                     generation, "dense_calibration")
+    report = harness.compile(dense_matmul(1024), [DENSE_ARG] * 2, generation, "dense_calibration")
     (kernel,) = report.kernels.values()
     schedule = kernel.schedule
     return accumulate_cycles(generation, 1024) / (schedule.matmuls - sum(r.matmuls for r in schedule.regions))
@@ -308,7 +299,7 @@ ATTENTION_KINDS = ("splash", "tokamax_attention")
 
 def write_calibration(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    bench.write_atomically(out / "calibration.json", json.dumps(rows, indent=1) + "\n")
+    harness.write_atomically(out / "calibration.json", json.dumps(rows, indent=1) + "\n")
     def summary(label, group):
         ratios = np.array([r["ratio"] for r in group])
         within = sum(1 / TARGET <= x <= TARGET for x in ratios)
@@ -390,7 +381,7 @@ def write_calibration(rows: list[dict], out: Path) -> None:
             f"{r.get('head_dim_qk', '')}/{r.get('head_dim_v', '')}, measured {r['measured_ms']} ms: {r['error']}" for r in failed]
     lines += ["", "Sources:", ""] + [f"- {s}" for s in dict.fromkeys(r["source"] for r in rows + failed)]
     lines += ["", WHY_OFF]
-    bench.write_atomically(out / "calibration.md", "\n".join(lines) + "\n")
+    harness.write_atomically(out / "calibration.md", "\n".join(lines) + "\n")
 
 
 WHY_OFF = """\
@@ -434,7 +425,7 @@ def main(argv=None) -> int:
                              "other rows of --out's calibration.json are kept")
     parser.add_argument("--tokens", nargs="*", type=int, default=None, help="only attention cases of these lengths")
     parser.add_argument("--passes", nargs="*", default=None, choices=["fwd", "bwd"], help="only attention cases of these passes")
-    parser.add_argument("--out", type=Path, default=bench.BENCH / "results")
+    parser.add_argument("--out", type=Path, default=harness.BENCH / "results")
     args = parser.parse_args(argv)
     sys.argv = sys.argv[:1]  # tokamax parses absl flags from sys.argv on first use
     if args.what == "clock":

@@ -20,28 +20,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(BENCH)]
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-os.environ["JAX_PLATFORMS"] = "cpu"
-import tpu_compile  # noqa: E402
-
-tpu_compile.configure_environment()
+import harness  # sets up sys.path and the CPU / libtpu environment
+from harness import BENCH  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import bench  # noqa: E402  (write_atomically)
-import grid_walk  # noqa: E402
-import pipeline  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
 
 
@@ -265,24 +254,15 @@ def causal_flops(shape: AttentionShape, tokens: int, pass_name: str) -> float:
 
 
 def measure(program, shape: AttentionShape, tokens: int, generation: str, kernel_name: str) -> dict:
-    """The schedule model of one compiled program, with its walked kernels' counts."""
-    gen = GENERATIONS[generation]
+    """One program's row (bench/harness.py), with its walked kernels' counts."""
     d = shape.head_dim
-    specs = [((1, tokens, shape.q_heads, d), jnp.bfloat16), ((1, tokens, shape.kv_heads, d), jnp.bfloat16),
-             ((1, tokens, shape.kv_heads, d), jnp.bfloat16), ((shape.q_heads,), jnp.bfloat16)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, tokens, shape.q_heads, d), (1, tokens, shape.kv_heads, d),
+                                                             (1, tokens, shape.kv_heads, d), (shape.q_heads,))]
     try:
-        costs = grid_walk.kernel_costs(program, [jax.ShapeDtypeStruct(s, t) for s, t in specs], gen.mxu_width)
-        if not costs:
-            raise RuntimeError("the grid walk found no Pallas kernel in the program")
-        report = tpu_compile.compile_for(program, specs, generation, kernel_name)
-        parts = pipeline.program_seconds(costs, report.schedules, generation)
+        m = harness.measure(program, args, generation, kernel_name, require_kernels=True)
     except Exception as err:  # noqa: BLE001  (a row says what failed)
-        return dict(error=str(err).splitlines()[0][:200])
-    return dict(compiles=True, vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
-                modeled_us=parts["modeled"] * 1e6, compute_us=parts["compute"] * 1e6, dma_us=parts["dma"] * 1e6,
-                around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
-                grid_steps=sum(c.grid_steps for c in costs), dot_flops=sum(c.dot_flops for c in costs),
-                costs=costs)
+        return harness.error_row(err)
+    return dict(m.figures(), costs=m.costs)
 
 
 def bench_one(shape: AttentionShape, tokens: int, pass_name: str, generation: str, impls=IMPLS) -> list[dict]:
@@ -422,12 +402,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
                      f"| {r['vmem_used'] / 2**20:.1f} | {r['grid_steps']} | {fmt(r, 'mxu_vs_causal', '.2f')} "
                      f"| {fmt(r, 'kv_reads_vs_query_blocks', '.2f')} | {fmt(r, 'compute_us')} | {fmt(r, 'dma_us')} "
                      f"| {fmt(r, 'around_us')} | {fmt(r, 'modeled_us')} | {fmt(r, 'vs_roofline', '.1f')} |")
-    bench.write_atomically(path, "\n".join(lines) + "\n")
-
-
-def _write(results: list[dict], out: Path) -> None:
-    bench.write_atomically((out / "flash_attention.json"), json.dumps(results, indent=1))
-    write_markdown(results, out / "flash_attention.md")
+    harness.write_atomically(path, "\n".join(lines) + "\n")
 
 
 def _row_order(row: dict) -> tuple:
@@ -449,25 +424,22 @@ def main(argv=None) -> int:
                         help="only merge these results JSON files (of runs with other --out) into --out's, theirs winning")
     args = parser.parse_args(argv)
     sys.argv = sys.argv[:1]  # tokamax parses absl flags from sys.argv on first use
-    args.out.mkdir(parents=True, exist_ok=True)
     cases = [(s, t, p, g) for s in SHAPES if s.model in args.models for t in args.tokens for p in args.passes
              for g in args.generations]
-    json_path = args.out / "flash_attention.json"
-    key = lambda r: (r["model"], r["tokens"], r["pass_"], r["generation"], r["impl"])
-    # The rows this run does not redo are kept: a subset run never loses the committed results.
-    kept = {key(r): r for r in json.loads(json_path.read_text())} if json_path.exists() else {}
+    results = harness.Results(args.out / "flash_attention.json", order=_row_order,
+                              key=lambda r: (r["model"], r["tokens"], r["pass_"], r["generation"], r["impl"]))
+    for path in args.merge:
+        results.merge(path)
     if args.merge:
-        for path in args.merge:
-            kept.update({key(r): r for r in json.loads(path.read_text())})
         cases = []
+        results.save()
     start = time.perf_counter()
     for i, (shape, tokens, pass_name, generation) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {shape.model} {tokens} {pass_name} {generation} ({time.perf_counter() - start:.0f} s)",
               flush=True)
-        kept.update({key(r): r for r in bench_one(shape, tokens, pass_name, generation, args.impls)})
-        _write(sorted(kept.values(), key=_row_order), args.out)
-    if args.merge:
-        _write(sorted(kept.values(), key=_row_order), args.out)
+        results.put(*bench_one(shape, tokens, pass_name, generation, args.impls))
+        write_markdown(results.rows, args.out / "flash_attention.md")
+    write_markdown(results.rows, args.out / "flash_attention.md")
     print(f"wrote {args.out / 'flash_attention.md'}: MODELED figures, not TPU measurements")
     return 0
 

@@ -40,8 +40,8 @@ import json
 import sys
 import time
 
-import flash_bench  # sets up sys.path and the CPU / libtpu environment
-import bench  # noqa: E402  (write_atomically)
+import harness  # sets up sys.path and the CPU / libtpu environment
+import flash_bench  # noqa: E402
 
 from flash_attention import kernel, tuning  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
@@ -61,8 +61,8 @@ LP_MARGIN = 0.01  # see lp_choice
 # dq -1.0%, dkv -3.1%; Gemma-2-9B, G = 2 with a softcap: dq +7.5%, dkv +0.5%), where the
 # forward's gain held (-9.7% and -8.2%). All MODELED.
 LP_RATINGS = (("fwd", "fwd"),)
-RESULTS = flash_bench.BENCH / "results"
-TABLE = flash_bench.REPO / "flash_attention" / "tuned_blocks.py"
+RESULTS = harness.BENCH / "results"
+TABLE = harness.REPO / "flash_attention" / "tuned_blocks.py"
 FOLLOW_EVIDENCE = RESULTS / "flash_tuning_evidence.json"  # see above; tests/test_flash_tuning.py reads it
 
 
@@ -212,7 +212,7 @@ def write_table() -> None:
             lines.append(f"        {tuple(record['key'])}: {table_value(record)},  # {record['vmem_used'] / 2**20:.1f} MiB")
         lines.append("    },")
     lines.append("}")
-    bench.write_atomically(TABLE, "\n".join(lines) + "\n")
+    harness.write_atomically(TABLE, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -229,8 +229,7 @@ def main(argv=None) -> int:
     sys.argv = sys.argv[:1]
     start = time.perf_counter()
     for generation in [] if args.write_table else args.generations:
-        path = results_file(generation)
-        records = {tuple(r["key"]): r for r in (json.loads(path.read_text()) if path.exists() else [])}
+        records = harness.Results(results_file(generation), key=lambda r: tuple(r["key"]), order=lambda r: r["key"])
         head_dims = sorted(args.head_dims, key=lambda d: d != REFERENCE_HEAD_DIM)  # the reference first
         for t in args.tokens:
             for g in args.groups:
@@ -243,9 +242,8 @@ def main(argv=None) -> int:
                         record["scheduler"] = rate_scheduler(record)
                     else:
                         print(f"{generation} d={d} G={g} {t} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
-                        reference = records.get(reference_key(d, g, t))
-                        records[(d, g, t)] = tune_entry(d, g, t, generation, reference)
-                    bench.write_atomically(path, json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
+                        record = tune_entry(d, g, t, generation, records.get(reference_key(d, g, t)))
+                    records.put(record)
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")
     return 0

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import sys
 
 import bench  # sets up sys.path and the CPU / libtpu environment
@@ -47,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import grid_walk  # noqa: E402
+import harness  # noqa: E402
 import pipeline  # noqa: E402
 import tpu_compile  # noqa: E402
 from ragged_dot import ops  # noqa: E402
@@ -56,7 +55,7 @@ from runtime.generations import GENERATIONS  # noqa: E402
 GENERATIONS_RUN = ("v6e", "tpu7x")
 BATCHES = (1, 8, 64, 256)  # decode steps: tokens in flight
 FUSED_MOE = "tpu-inference fused_moe v1 (lower bound)"
-RESULTS = bench.BENCH / "results"
+RESULTS = harness.BENCH / "results"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,22 +171,16 @@ def fused_moe(h: Headline, tokens: int, generation: str):
 
 
 def model_program(fn, args, generation: str, walk: bool = True, group_sizes=None) -> dict:
-    """Compiles fn for the generation and models every op of it (its Pallas
-    kernels walked, or with `walk=False` counted like XLA's ops; XLA's ragged
-    dots run their trips over `group_sizes`)."""
-    gen = GENERATIONS[generation]
-    costs = grid_walk.kernel_costs(bench.traced_on_target(fn, generation), args, gen.mxu_width) if walk else []
-    specs = [(a.shape, a.dtype) for a in args]
-    report = tpu_compile.compile_for(fn, specs, generation, "")
-    schedules = report.schedules
-    parts = pipeline.program_seconds(costs, schedules, generation, group_sizes=group_sizes)
-    xla = {op: s for op, s in schedules.items() if op not in parts["kernel_ops"]}
-    per_trip = [op for op, s in xla.items() if pipeline.ragged_trips(s, group_sizes) is not None]
+    """fn's row: its Pallas kernels walked (or with `walk=False` counted like XLA's ops), XLA's
+    ragged dots running their trips over `group_sizes` (bench/harness.py)."""
+    m = harness.measure(fn, args, generation, walked=walk, group_sizes=group_sizes)
+    per_trip = [op for op, s in m.xla_ops.items() if pipeline.ragged_trips(s, group_sizes) is not None]
     # Other XLA ops whose loops run a count known only at run time: counted once, so a lower bound.
-    dynamic = [op for op, s in xla.items() if op not in per_trip
+    dynamic = [op for op, s in m.xla_ops.items() if op not in per_trip
                and (s.dynamic_inner_loops or (s.grid_loop is not None and s.grid_loop.trip_count is None))]
-    return dict(modeled_us=parts["modeled"] * 1e6, kernels_us=parts["kernels"] * 1e6, xla_ops_us=parts["around"] * 1e6,
-                ops=len(schedules), ops_with_dynamic_loops=len(dynamic), ragged_dots_per_trip=len(per_trip))
+    figures = m.figures()
+    return dict(modeled_us=figures["modeled_us"], kernel_us=figures["kernel_us"], around_us=figures["around_us"],
+                ops=len(m.schedules), ops_with_dynamic_loops=len(dynamic), ragged_dots_per_trip=len(per_trip))
 
 
 def programs(h: Headline, tokens: int, generation: str):
@@ -214,8 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--redo", nargs="*", default=None, metavar="IMPL",
                         help="model these implementations again (all with no names) where the results hold them")
     args = parser.parse_args(argv)
-    path = RESULTS / "headline.json"
-    rows = {row_key(r): r for r in (json.loads(path.read_text()) if path.exists() else [])}
+    results = harness.Results(RESULTS / "headline.json", key=row_key, order=row_order)
     redo = lambda impl: args.redo is not None and (not args.redo or impl in args.redo)
     for h in [h for h in HEADLINES if h.model in args.models]:
         for generation in args.generations:
@@ -224,7 +216,7 @@ def main(argv=None) -> int:
                 sizes = np.bincount(np.asarray(inputs(h, tokens)[1]).reshape(-1), minlength=h.experts)
                 for impl, (fn, fn_args, walk) in found.items():
                     key = (h.model, generation, tokens, impl)
-                    if key in rows and not redo(impl):
+                    if key in results and not redo(impl):
                         continue
                     row = dict(model=h.model, impl=impl, tokens=tokens, generation=generation)
                     try:
@@ -232,12 +224,12 @@ def main(argv=None) -> int:
                         print(f"{generation} {h.model} batch {tokens} {impl}: {row['modeled_us']:.1f} us (modeled)",
                               flush=True)
                     except Exception as err:  # noqa: BLE001
-                        row["error"] = str(err).splitlines()[0][:200]
+                        row.update(harness.error_row(err))
                         print(f"{generation} {h.model} batch {tokens} {impl}: does not run here: {row['error']}",
                               flush=True)
-                    rows[key] = row
-                    write(list(rows.values()))
-    write(list(rows.values()))
+                    results.put(row)
+                    write(results.rows)
+    write(results.rows)
     return 0
 
 
@@ -268,13 +260,15 @@ def verdicts(rows: list[dict]) -> list[dict]:
     return out
 
 
-def write(rows: list[dict]) -> None:
+def row_order(r: dict) -> tuple:
     order = {h.model: i for i, h in enumerate(HEADLINES)}
     impl_order = ["ours", EXPERT_PARALLEL, "grouped_mm (default)", "batched_mm", "eager", FUSED_MOE]
-    rows = sorted(rows, key=lambda r: (order.get(r["model"], 99), GENERATIONS_RUN.index(r["generation"])
-                                       if r["generation"] in GENERATIONS_RUN else 9, r["tokens"],
-                                       impl_order.index(r["impl"]) if r["impl"] in impl_order else 9))
-    bench.write_atomically(RESULTS / "headline.json", json.dumps(rows, indent=1))
+    return (order.get(r["model"], 99), GENERATIONS_RUN.index(r["generation"]) if r["generation"] in GENERATIONS_RUN
+            else 9, r["tokens"], impl_order.index(r["impl"]) if r["impl"] in impl_order else 9)
+
+
+def write(rows: list[dict]) -> None:
+    """headline.md from the results' rows (in `row_order`)."""
     ours = {(r["model"], r["generation"], r["tokens"]): r["modeled_us"] for r in rows
             if r["impl"] == "ours" and "error" not in r}
     reported = {h.model: h.reported_speedup for h in HEADLINES}
@@ -317,11 +311,11 @@ def write(rows: list[dict]) -> None:
         speedup = "-" if r["impl"] in ("ours", EXPERT_PARALLEL) or mine is None else f"{r['modeled_us'] / mine:.2f}x"
         claim = (f"{reported[r['model']]}x vs the default" if "default" in r["impl"] and reported.get(r["model"])
                  and (r["generation"], r["tokens"]) == ("v6e", 64) else "")
-        lines.append(head + f"| {r['modeled_us']:.1f} | {r['kernels_us']:.1f} | {r['xla_ops_us']:.1f} "
+        lines.append(head + f"| {r['modeled_us']:.1f} | {r['kernel_us']:.1f} | {r['around_us']:.1f} "
                      f"| {r['ops']} | {r.get('ragged_dots_per_trip', 0)} | {r['ops_with_dynamic_loops']} | {speedup} "
                      f"| {claim} |")
     lines += ["", WHY]
-    bench.write_atomically(RESULTS / "headline.md", "\n".join(lines) + "\n")
+    harness.write_atomically(RESULTS / "headline.md", "\n".join(lines) + "\n")
 
 
 WHY = """\

@@ -27,31 +27,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(BENCH)]
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-os.environ["JAX_PLATFORMS"] = "cpu"
-import tpu_compile  # noqa: E402
-
-tpu_compile.configure_environment()
+import harness  # sets up sys.path and the CPU / libtpu environment
+from harness import BENCH  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import bench  # noqa: E402  (write_atomically)
-import grid_walk  # noqa: E402
 from flash_bench import AttentionShape  # noqa: E402  (options: ragged_paged_attention's keywords here)
-import pipeline  # noqa: E402
-from runtime.generations import GENERATIONS, pipeline_seconds  # noqa: E402
+from runtime.generations import GENERATIONS  # noqa: E402
 
 KERNEL_NAME = "ragged_paged_attention"
 TRANSFORMERS = "transformers (gather + flash)"
@@ -166,16 +155,11 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
                             generation, KERNEL_NAME, kv_itemsize=jnp.dtype(cache_dtype).itemsize, describe=tiling)
 
 
-def figures(costs, report, parts: dict, held: dict, generation: str) -> dict:
-    """A row's figures from a compiled program's walked kernels, its report and its schedule model."""
-    gen = GENERATIONS[generation]
-    hbm = sum(c.hbm_bytes for c in costs)
-    return dict(compiles=True, vmem_used=max(k.vmem_bytes for k in report.kernels.values()),
-                modeled_us=parts["modeled"] * 1e6, kernel_us=parts["kernels"] * 1e6, compute_us=parts["compute"] * 1e6,
-                dma_us=parts["dma"] * 1e6, around_us=parts["around"] * 1e6, regions_mapped=parts["regions_mapped"],
-                grid_steps=sum(int(c.grid_steps) for c in costs), hbm_bytes=hbm, kv_held_bytes=held["kv"],
-                hbm_vs_held=hbm / (held["kv"] + held["q_out"]),
-                floor_us=(held["kv"] + held["q_out"]) / gen.hbm_bytes_per_s * 1e6)
+def figures(m: "harness.Measurement", held: dict) -> dict:
+    """A row's figures: the measurement's, and its kernels' HBM bytes against what the sequences hold."""
+    hbm = m.figures()["hbm_bytes"]
+    return dict(m.figures(), kv_held_bytes=held["kv"], hbm_vs_held=hbm / (held["kv"] + held["q_out"]),
+                floor_us=(held["kv"] + held["q_out"]) / GENERATIONS[m.generation].hbm_bytes_per_s * 1e6)
 
 
 def context_rows(shape: AttentionShape, batch: Batch, routing: dict) -> np.ndarray:
@@ -200,7 +184,6 @@ def measure_transformers_path(shape: AttentionShape, batch: Batch, generation: s
     the model's dtype (bf16), so there is no fp8 row. (Its cache write is left out, as ours is.)"""
     from flash_attention import ops as flash_ops
 
-    gen = GENERATIONS[generation]
     routing = batch.routing()
     rows = context_rows(shape, batch, routing)
     q_lens = np.diff(routing["cu_q_lens"])
@@ -225,15 +208,10 @@ def measure_transformers_path(shape: AttentionShape, batch: Batch, generation: s
             ((shape.q_heads,), jnp.float32)]
     index = [rows, routing["cu_q_lens"], cu_k]
     try:
-        args = [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
-        costs = grid_walk.kernel_costs(fn, args, gen.mxu_width)
-        report = tpu_compile.compile_for(fn, data + [(a.shape, jnp.int32) for a in index], generation,
-                                         "flash_attention")
-        parts = pipeline.program_seconds(costs, report.schedules, generation)
+        m = harness.measure(fn, arguments(data, index), generation, "flash_attention")
     except Exception as err:  # noqa: BLE001  (a row says what failed)
-        return dict(error=str(err).splitlines()[0][:200])
-    return dict(figures(costs, report, parts, held_bytes(shape, batch, routing, 2), generation),
-                tiling="gather + flash-attn-tpu")
+        return harness.error_row(err)
+    return dict(figures(m, held_bytes(shape, batch, routing, 2)), tiling="gather + flash-attn-tpu")
 
 
 JAX_PAGED = "jax paged_attention"
@@ -266,7 +244,6 @@ def measure_jax_paged_attention(shape: AttentionShape, batch: Batch, generation:
 
     if batch.prefills or set(shape.kwargs) - {"softcap"}:
         return dict(error="n/a: decode only, no sliding window or sinks")
-    gen = GENERATIONS[generation]
     routing = batch.routing()
     head_page_bytes = 2 * kernel.page_bytes(batch.page_size, 1, shape.head_dim, jnp.bfloat16)  # K and V
     cache = ((shape.kv_heads, routing["num_pages"], batch.page_size, shape.head_dim), jnp.bfloat16)
@@ -278,21 +255,19 @@ def measure_jax_paged_attention(shape: AttentionShape, batch: Batch, generation:
             q, k, v, lengths, pages, pages_per_compute_block=ppcb, inline_seq_dim=False,
             attn_logits_soft_cap=shape.kwargs.get("softcap"))
         try:
-            args = [jax.ShapeDtypeStruct(*spec) for spec in data] + [jnp.asarray(a) for a in index]
-            costs = grid_walk.kernel_costs(fn, args, gen.mxu_width)
+            args = arguments(data, index)
+            costs, copies = harness.walk(fn, args, generation)
             attends = costs[0].when_runs[:, 0]  # its block body: the step's block holds keys
             pages = np.where(attends, ppcb * head_page_bytes, 0).astype(np.int64)
             costs[0].fetch_bytes = costs[0].fetch_bytes + pages
             costs[0].hbm_bytes += int(pages.sum())
-            report = tpu_compile.compile_for(fn, data + [(a.shape, jnp.int32) for a in index], generation,
-                                             "paged_attention")
-            parts = pipeline.program_seconds(costs, report.schedules, generation, _jax_paged_prefetches)
+            m = harness.measure(fn, args, generation, "paged_attention", costs=costs, copies=copies,
+                                child_runs=_jax_paged_prefetches)
         except Exception as err:  # noqa: BLE001  (a tiling that fails is skipped; none left: the row says why)
-            failures.append(str(err).splitlines()[0][:200])
+            failures.append(harness.error_row(err))
             continue
-        rows.append(dict(figures(costs, report, parts, held_bytes(shape, batch, routing, 2), generation),
-                         tiling=f"{ppcb} pages per block"))
-    return min(rows, key=lambda r: r["modeled_us"]) if rows else dict(error=failures[0])
+        rows.append(dict(figures(m, held_bytes(shape, batch, routing, 2)), tiling=f"{ppcb} pages per block"))
+    return min(rows, key=lambda r: r["modeled_us"]) if rows else failures[0]
 
 
 JAX_RPA = "jax ragged_paged_attention"
@@ -310,35 +285,38 @@ def measure_profiled(fn, data: list, index: list, profile_args: list, shape: Att
                      **compile_options) -> dict:
     """A kernel whose loops run as its data says (bench/kernel_profile.py): its compile, its
     schedule's loops and branches counted as they ran on this batch, the bytes its copies moved
-    (its own DMAs' sizes, as they ran), combined by `pipeline.kernel_seconds`. data: (shape, dtype)
+    (its own DMAs' sizes, as they ran), combined by the schedule model (bench/harness.py). data: (shape, dtype)
     of its array operands, index: its index arrays (concrete), following them; profile_args: all
     its arguments for the profile (concrete: zeros, caches of PROFILE_PAGES pages and the page
     indices wrapped into them). kv_itemsize: the cache's bytes per element. describe(eqn, cost):
-    a kernel's tiling, for the row. compile_options: `tpu_compile.compile_for`'s (a cache donated
+    a kernel's tiling, for the row. compile_options: `harness.compile`'s (a cache donated
     and returned in place)."""
     import kernel_profile
 
-    gen = GENERATIONS[generation]
     try:
-        args = [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
-        calls = grid_walk.pallas_calls(fn, *args)
-        costs = [grid_walk.analyze_call(eqn, invals, gen.mxu_width) for eqn, invals in calls]
+        args = arguments(data, index)
+        costs, copies, calls = harness.walk(fn, args, generation, with_calls=True)
         profiles = kernel_profile.profile(fn, *profile_args)
         if [c.name for c in costs] != [p.name for p in profiles]:
             raise RuntimeError(f"profiled {[p.name for p in profiles]}, walked {[c.name for c in costs]}")
         own = [int(prof.dma_bytes().sum() + prof.dma_bytes(reads_hbm=False).sum()) for prof in profiles]
         for cost, copied in zip(costs, own):
             cost.hbm_bytes += copied
-        report = tpu_compile.compile_for(fn, data + [(np.shape(a), jnp.int32) for a in index], generation,
-                                         kernel_name, **compile_options)
-        parts = pipeline.program_seconds(costs, report.schedules, generation, profiles=profiles)
+        m = harness.measure(fn, args, generation, kernel_name, costs=costs, copies=copies,
+                            layouts={i: spec[2] for i, spec in enumerate(data) if len(spec) > 2},
+                            compile_options=compile_options, profiles=profiles)
     except Exception as err:  # noqa: BLE001  (a row says what failed)
-        return dict(error=str(err).splitlines()[0][:200])
-    row = dict(figures(costs, report, parts, held_bytes(shape, batch, routing, kv_itemsize), generation),
-               page_copy_bytes=sum(own))
+        return harness.error_row(err)
+    row = dict(figures(m, held_bytes(shape, batch, routing, kv_itemsize)), page_copy_bytes=sum(own))
     if describe is not None:
-        row["tiling"] = " + ".join(describe(eqn, cost) for (eqn, _), cost in zip(calls, costs))
+        row["tiling"] = " + ".join(describe(eqn, cost) for eqn, cost in zip(calls, costs))
     return row
+
+
+def arguments(data: list, index: list) -> list:
+    """A program's arguments: its arrays abstract (data: (shape, dtype[, layout])), its index arrays
+    concrete (what its grid and loops read)."""
+    return [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
 
 
 def _profile_args(data: list, index: list, caches: tuple[int, ...], routing: dict) -> list:
@@ -538,7 +516,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
                      f"| {r['vmem_used'] / 2**20:.1f} "
                      f"| {r['grid_steps']} | {r['hbm_vs_held']:.3f} | {r['compute_us']:.0f} | {r['dma_us']:.0f} "
                      f"| {r['around_us']:.0f} | {r['modeled_us']:.0f} | {r['floor_us']:.0f} |")
-    bench.write_atomically(path, "\n".join(lines) + "\n")
+    harness.write_atomically(path, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -552,11 +530,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    args.out.mkdir(parents=True, exist_ok=True)
-    # The rows this run does not redo are kept: a subset run never loses the committed results.
-    json_path = args.out / "paged_attention.json"
-    key = lambda r: (r["model"], r["batch"], r["generation"], r["cache"], r["impl"])
-    kept = {key(r): r for r in json.loads(json_path.read_text())} if json_path.exists() else {}
+    results = harness.Results(args.out / "paged_attention.json",
+                              key=lambda r: (r["model"], r["batch"], r["generation"], r["cache"], r["impl"]))
     for shape in (s for s in SHAPES if s.model in args.models):
         for batch in (b for b in BATCHES if b.name in args.batches):
             for generation in args.generations:
@@ -569,11 +544,8 @@ def main(argv=None) -> int:
                                **figures)
                     print(f"[{time.perf_counter() - start:.0f} s] {shape.model} {batch.name} {generation} {impl} "
                           f"{cache}: {row.get('modeled_us', row.get('error'))}", flush=True)
-                    kept[key(row)] = row
-                    rows = list(kept.values())
-                    # Rewritten after every row, so a long run interrupted still leaves a table.
-                    bench.write_atomically(json_path, json.dumps(rows, indent=1))
-                    write_markdown(rows, args.out / "paged_attention.md")
+                    results.put(row)
+                    write_markdown(results.rows, args.out / "paged_attention.md")
     print(f"wrote {args.out / 'paged_attention.md'}: MODELED figures, not TPU measurements")
     return 0
 

@@ -26,8 +26,8 @@ import json
 import sys
 import time
 
-import paged_bench  # sets up sys.path and the CPU / libtpu environment
-import bench  # noqa: E402  (write_atomically)
+import harness  # sets up sys.path and the CPU / libtpu environment
+import paged_bench  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -43,8 +43,8 @@ PREFILL = ((256, 512), (256, 1024), (512, 1024))  # (query rows, keys)
 # Tried only where none of those fits the generation's default scoped VMEM (v5e's 16 MiB at head_dim 256).
 SMALLER = {"decode": ((0, 256),), "prefill": ((128, 256), (128, 512))}
 LIMITS = tuning.SERVING_LIMITS  # batched tokens, sequences, context
-RESULTS = paged_bench.BENCH / "results"
-TABLE = paged_bench.REPO / "paged_attention" / "tuned_blocks.py"
+RESULTS = harness.BENCH / "results"
+TABLE = harness.REPO / "paged_attention" / "tuned_blocks.py"
 
 
 def rating_batches(page_size: int) -> dict[str, paged_bench.Batch]:
@@ -125,7 +125,7 @@ def write_table() -> None:
             lines.append(f"        {tuple(r['key'])}: {value},  # {vmem / 2**20:.1f} MiB")
         lines.append("    },")
     lines.append("}")
-    bench.write_atomically(TABLE, "\n".join(lines) + "\n")
+    harness.write_atomically(TABLE, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -139,8 +139,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     for generation in [] if args.write_table else args.generations:
-        path = results_file(generation)
-        records = {tuple(r["key"]): r for r in (json.loads(path.read_text()) if path.exists() else [])}
+        records = harness.Results(results_file(generation), key=lambda r: tuple(r["key"]), order=lambda r: r["key"])
         for dtype in args.cache_dtypes:
             for d in args.head_dims:
                 for page_size in args.page_sizes:
@@ -149,12 +148,10 @@ def main(argv=None) -> int:
                     print(f"{generation} d={d} page {page_size} {dtype} ({time.perf_counter() - start:.0f} s)",
                           flush=True)
                     try:
-                        records[(d, page_size, dtype)] = tune_entry(d, page_size, dtype, generation)
+                        records.put(tune_entry(d, page_size, dtype, generation))
                     except RuntimeError as err:  # kept as a record (not retried); the table leaves it to the rule
                         print(f"  untuned: {err}", flush=True)
-                        records[(d, page_size, dtype)] = dict(key=[d, page_size, dtype], generation=generation,
-                                                              error=str(err))
-                    bench.write_atomically(path, json.dumps(sorted(records.values(), key=lambda r: r["key"]), indent=1))
+                        records.put(dict(key=[d, page_size, dtype], generation=generation, error=str(err)))
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")
     return 0

@@ -37,15 +37,14 @@ import sys
 import time
 from pathlib import Path
 
-import bench  # sets up sys.path and the CPU / libtpu environment
+import harness  # sets up sys.path and the CPU / libtpu environment
+import bench  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import grid_walk  # noqa: E402
 import pipeline  # noqa: E402
-import tpu_compile  # noqa: E402
 import tpu_schedule  # noqa: E402
 from ragged_dot import kernel, ops, tuning  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
@@ -54,8 +53,8 @@ DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]  # the buckets 1..64 sequences reach
 PREFILL_TOKENS = [2048, 4096, 8192, 16384]
 CANDIDATES = 3  # how many of the rule model's best each entry rates with the bench
 HBM_OOM = "CompileTimeHbmOom"  # libtpu's error when a program's buffers exceed the chip's HBM
-RESULTS = bench.BENCH / "results"
-TABLE = bench.REPO / "ragged_dot" / "tuned_blocks.py"
+RESULTS = harness.BENCH / "results"
+TABLE = harness.REPO / "ragged_dot" / "tuned_blocks.py"
 
 
 @contextlib.contextmanager
@@ -98,7 +97,7 @@ def grouped_matmuls(shape: bench.MoeShape, tokens: int, generation: str, trainin
 
     fn = jax.grad(loss, argnums=(0, 3, 4)) if training else forward
     with recording_calls() as calls:
-        jax.eval_shape(bench.traced_on_target(fn, generation), *experts_specs(shape, tokens))
+        jax.eval_shape(harness.on_target(fn, generation), *experts_specs(shape, tokens))
     return list(dict.fromkeys(calls))
 
 
@@ -156,7 +155,7 @@ def cached_schedule(cache: dict, fn, args, call, blocks, generation):
     if key not in cache:
         file = RESULTS / f"schedules_{generation}.json"
         try:
-            report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], generation, "ragged_dot_tpu")
+            report = harness.compile(fn, args, generation, "ragged_dot_tpu")
             (kernel,) = report.kernels.values()
             cache[key] = dict(schedule=tpu_schedule.to_dict(kernel.schedule), vmem_used=kernel.vmem_bytes)
         except Exception as err:  # noqa: BLE001
@@ -164,7 +163,7 @@ def cached_schedule(cache: dict, fn, args, call, blocks, generation):
             if HBM_OOM in error:  # this entry's operands overflow the chip, whatever the tiling: not the tiling's fault
                 raise
             cache[key] = dict(error=error)
-        bench.write_atomically(file, json.dumps(cache, indent=0, sort_keys=True))
+        harness.write_atomically(file, json.dumps(cache, indent=0, sort_keys=True))
     entry = cache[key]
     return (tpu_schedule.from_dict(entry["schedule"]), entry["vmem_used"]) if "schedule" in entry else (None, None)
 
@@ -325,7 +324,7 @@ def fit(generation: str) -> dict:
                   mean_abs_error=float(np.abs(errors).mean()),
                   fitted={" ".join(map(str, key)): fields for key, fields in fitted.items()})
     # JSON keys are strings: the table keys rows per pass as ints again (`load_fit`).
-    bench.write_atomically(fit_file(generation), json.dumps(record, indent=1))
+    harness.write_atomically(fit_file(generation), json.dumps(record, indent=1))
     return record
 
 
@@ -352,7 +351,7 @@ def tune_call(shape, tokens, call, generation, cache=None):
     for blocks in candidates:
         try:
             with table_entry(table, generation, key, blocks):
-                (cost,), copies = grid_walk.kernel_costs_and_copies(fresh(fn), args, gen.mxu_width)
+                (cost,), copies = harness.walk(fresh(fn), args, generation)
                 schedule, vmem_used = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
         except Exception as err:  # noqa: BLE001
             if HBM_OOM in str(err):
@@ -376,8 +375,7 @@ def tune_call(shape, tokens, call, generation, cache=None):
     for us, need, blocks in sorted(rated, key=lambda w: (w[0], w[1])):
         try:  # at the entry's own shapes: proves it fits this entry's HBM and VMEM
             with table_entry(table, generation, key, blocks):
-                report = tpu_compile.compile_for(fresh(fn), [(x.shape, x.dtype) for x in args], generation,
-                                                 "ragged_dot_tpu")
+                report = harness.compile(fresh(fn), args, generation, "ragged_dot_tpu")
         except Exception as err:  # noqa: BLE001
             error = str(err).splitlines()[0][:200]
             if HBM_OOM in error:
@@ -397,9 +395,13 @@ def tune_call(shape, tokens, call, generation, cache=None):
     raise RuntimeError(f"no candidate compiled for {record}")
 
 
+def results(generation: str) -> "harness.Results":
+    """The generation's tuning records, one per (kind, key)."""
+    return harness.Results(RESULTS / f"tuning_{generation}.json", key=lambda r: (r["kind"], tuple(r["key"])))
+
+
 def records(generation: str) -> list[dict]:
-    file = RESULTS / f"tuning_{generation}.json"
-    return json.loads(file.read_text()) if file.exists() else []
+    return results(generation).rows
 
 
 # Which design of each kernel a record was rated on: 2, the forward whose visits
@@ -469,7 +471,7 @@ def write_table(path: Path = TABLE) -> None:
             lines.append("    },")
         lines.append("}")
         lines.append("")
-    bench.write_atomically(path, "\n".join(lines))
+    harness.write_atomically(path, "\n".join(lines))
 
 
 def main(argv=None) -> int:
@@ -491,9 +493,8 @@ def main(argv=None) -> int:
                   f"[{time.perf_counter() - start:.0f} s]", flush=True)
         if args.fit_only:
             continue
-        file = RESULTS / f"tuning_{generation}.json"
-        done_records = records(generation)
-        done = {(r["kind"], tuple(r["key"])) for r in done_records if rated_by_this_model(r)}
+        tuned = results(generation)
+        done = {tuned.key(r) for r in tuned.rows if rated_by_this_model(r)}
         for shape in shapes:
             for tokens in args.tokens:
                 training = tokens >= PREFILL_TOKENS[0]  # training steps run prefill-sized batches
@@ -503,8 +504,7 @@ def main(argv=None) -> int:
                         continue
                     record = tune_call(shape, tokens, call, generation)
                     done.add(key)
-                    done_records = [r for r in done_records if (r["kind"], tuple(r["key"])) != key] + [record]
-                    bench.write_atomically(file, json.dumps(done_records, indent=1))
+                    tuned.put(record)
                     write_table()
                     outcome = (f"{record['blocks']} {record['modeled_us']:.1f} us (rule {record['rule_modeled_us']})"
                                if "blocks" in record else "does not fit the chip's HBM: no entry")

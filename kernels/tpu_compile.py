@@ -120,7 +120,9 @@ def compile_for(fn, arg_specs, generation: str, kernel_name: str, compiler_optio
         with jax.default_device(device):  # lets pltpu.get_tpu_info() see the target while tracing
             out_shardings = None if out_layouts is None else tuple(
                 Format(Layout(layout), sharding) if layout else sharding for layout in out_layouts)
-            (jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings).lower(*args)
+            # A new function object each call: jax caches compiles by function, and a cached compile
+            # writes no dump to read.
+            (jax.jit(lambda *a: fn(*a), donate_argnums=donate_argnums, out_shardings=out_shardings).lower(*args)
              .compile(compiler_options=compiler_options))
         seconds = time.perf_counter() - start
         capacity, kernels, other_ops = _read_dump(dump, sorted(os.listdir(dump)), kernel_name)

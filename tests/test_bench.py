@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import bench
+import harness
 import grid_walk
 from ragged_dot import kernel
 
@@ -111,7 +112,7 @@ def test_bench_writes_modeled_table_and_chart(tmp_path):
     schedules, models ours and an anchor (one tiling: the sweep's choice of its fastest is
     test_each_anchor_keeps_its_fastest_compiling_tiling), and writes the report."""
     # A row of the committed results that this run does not redo stays: a subset run loses nothing.
-    other = next(r for r in json.loads((bench.BENCH / "results" / "ragged_dot.json").read_text())
+    other = next(r for r in json.loads((harness.BENCH / "results" / "ragged_dot.json").read_text())
                  if r["model"] == "Mixtral-8x7B")
     (tmp_path / "ragged_dot.json").write_text(json.dumps([other]))
     assert bench.main(["--models", "Qwen3-30B-A3B", "--phases", "decode", "--generations", "v6e",

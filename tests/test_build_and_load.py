@@ -157,6 +157,18 @@ def test_docs_name_only_files_in_the_repo():
                 assert (root / path).exists(), f"{doc.name} names {path}, which is not in the repo"
 
 
+def test_make_help_lists_every_target_with_its_time():
+    """`make help` (also plain `make`) names every phony target with what it does and how long."""
+    import subprocess
+
+    root = build_collection.REPO_ROOT
+    phony = next(line for line in (root / "Makefile").read_text().splitlines() if line.startswith(".PHONY:"))
+    listed = subprocess.run(["make", "--no-print-directory", "-C", str(root)], capture_output=True, text=True,
+                            check=True).stdout.splitlines()
+    described = {line.split()[1] for line in listed if line.startswith("make ") and len(line.split()) > 2}
+    assert described == set(phony.split()[1:])
+
+
 def test_trust_check_runs_online_and_the_readme_opt_in_passes_it(built, tmp_path):
     """Online, kernels asks the Hub whether the publisher is trusted (offline it skips that).
     With a Hub on localhost answering from the built tree: the bare call is refused, the

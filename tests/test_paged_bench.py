@@ -7,6 +7,7 @@ import types
 import numpy as np
 import pytest
 
+import harness
 import paged_bench
 import tpu_schedule
 from paged_attention import tuning
@@ -21,7 +22,7 @@ def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path
     monkeypatch.setattr(paged_bench, "BATCHES", [paged_bench.Batch("mixed 8 dec + 1 x 64 pre, 1k", 8, 1, 64, 1024)])
     monkeypatch.setattr(tuning, "TUNED", {})
     # A row of the committed results that this run does not redo stays: a subset run loses nothing.
-    other = next(r for r in json.loads((paged_bench.BENCH / "results" / "paged_attention.json").read_text())
+    other = next(r for r in json.loads((harness.BENCH / "results" / "paged_attention.json").read_text())
                  if r["generation"] == "tpu7x")
     (tmp_path / "paged_attention.json").write_text(json.dumps([other]))
     assert paged_bench.main(["--models", "Llama-3-8B", "--generations", "v6e", "--out", str(tmp_path)]) == 0

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import bench
-import grid_walk
+import harness
 import tpu_compile
 import tune
 from ragged_dot import kernel, ops, tuning
@@ -137,10 +137,10 @@ def test_tuning_rates_candidates_with_the_bench_model(tmp_path, monkeypatch):
     fn = tune.fresh(tune.call_fn(call, shape.experts, "v6e")[0])
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
             jnp.asarray(bench.routing(shape, 4)))
-    (cost,), copies = grid_walk.kernel_costs_and_copies(fn, args, 256)
-    report = tpu_compile.compile_for(fn, [(x.shape, x.dtype) for x in args], "v6e", "ragged_dot_tpu")
-    kernel_us = bench.schedule_model([cost], report)["kernel_us"]
-    assert record["modeled_us"] == pytest.approx(kernel_us + copies / GENERATIONS["v6e"].hbm_bytes_per_s * 1e6, rel=1e-3)
+    m = harness.measure(fn, args, "v6e", "ragged_dot_tpu")
+    kernel_us = m.figures()["kernel_us"]
+    assert record["modeled_us"] == pytest.approx(kernel_us + m.copies / GENERATIONS["v6e"].hbm_bytes_per_s * 1e6,
+                                                 rel=1e-3)
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
