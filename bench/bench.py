@@ -305,7 +305,7 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
                    generation=generation, impl=impl, tiling="x".join(map(str, tiling)), rows=rows, K=k, N=n,
                    groups=shape.experts, active_groups=active, vmem_limit=vmem_limit,
                    min_bytes=2 * (in_elems + out_elems), min_flops=2 * rows * k * n)
-        cost = None
+        cost = report = None
         try:
             if family(impl) in ("ours", "tpu-inference"):
                 (cost,), copies = harness.walk(fn, impl_args, generation)
@@ -322,16 +322,14 @@ def bench_one(shape: MoeShape, phase: str, matmul, pass_name: str, generation: s
         if compile_check:
             try:
                 report = harness.compile(fn, impl_args, generation)
-                row.update(compiles=True, vmem_used=max((r.vmem_bytes for op, r in report.kernels.items()
-                                                         if any(n in op for n in KERNEL_NAMES)), default=None))
+                row.update(compiles=True, vmem_used=harness.vmem_used(report, KERNEL_NAMES))
             except Exception as err:  # noqa: BLE001
                 row.update(compiles=False, error=f"compile: {str(err).splitlines()[0][:160]}")
-            else:
-                if cost is not None:
-                    try:
-                        row.update(schedule_fields(harness.model([cost], report, generation, copies)))
-                    except Exception as err:  # noqa: BLE001
-                        row.update(error=f"schedule: {str(err).splitlines()[0][:160]}")
+        if cost is not None and report is not None:
+            try:
+                row.update(schedule_fields(harness.model([cost], report, generation, copies)))
+            except Exception as err:  # noqa: BLE001
+                row.update(error=f"schedule: {str(err).splitlines()[0][:160]}")
         return row
 
     wanted = lambda impl: family(impl) == "megablox" and "megablox best" in only or impl.split(" sweep")[0] in only

@@ -11,9 +11,9 @@ A program is measured in three stages, each one function here:
 - `model`: the two combined by the schedule model (bench/pipeline.py), XLA's ops around the
   kernels included: a `Measurement`.
 
-`measure` runs all three; `Results` keeps each bench's rows. The files that use it (bench.py, flash_bench.py, paged_bench.py,
-headline.py, calibration.py and the tuners) only say which programs, shapes and candidates.
-On a TPU, `bench.py --tpu` times real runs instead.
+`measure` runs all three; `Results` keeps each bench's rows. The files that use it (bench.py,
+flash_bench.py, paged_bench.py, headline.py, calibration.py and the tuners) only say which
+programs, shapes and candidates. On a TPU, `bench.py --tpu` times real runs instead.
 """
 
 from __future__ import annotations
@@ -67,10 +67,6 @@ class Measurement:
         """The compiled schedule of each walked kernel, in the order of `costs`."""
         return [self.report.schedules[op] for op in self.parts["kernel_ops"]]
 
-    def vmem_used(self, names=("",)) -> int | None:
-        """The most VMEM any reported kernel whose name holds one of `names` takes."""
-        return max((k.vmem_bytes for op, k in self.report.kernels.items() if any(n in op for n in names)), default=None)
-
     @property
     def xla_ops(self) -> dict:
         """{HLO op name: schedule} of every op that is not a walked kernel."""
@@ -79,12 +75,17 @@ class Measurement:
     def figures(self) -> dict:
         """The fields every row of a modeled program carries (us, bytes, steps)."""
         us = lambda key: self.parts[key] * 1e6
-        return dict(compiles=True, vmem_used=self.vmem_used(), modeled_us=us("modeled"), kernel_us=us("kernels"),
+        return dict(compiles=True, vmem_used=vmem_used(self.report), modeled_us=us("modeled"), kernel_us=us("kernels"),
                     around_us=us("around"), compute_us=us("compute"), dma_us=us("dma"),
                     fill_drain_us=us("fill_drain"), regions_mapped=self.parts["regions_mapped"],
                     grid_steps=sum(int(c.grid_steps) for c in self.costs),
                     hbm_bytes=sum(int(c.hbm_bytes) for c in self.costs),
                     dot_flops=sum(int(c.dot_flops) for c in self.costs))
+
+
+def vmem_used(report, names=("",)) -> int | None:
+    """The most VMEM any compiled kernel whose name holds one of `names` takes."""
+    return max((k.vmem_bytes for op, k in report.kernels.items() if any(n in op for n in names)), default=None)
 
 
 def on_target(fn, generation: str):

@@ -157,8 +157,8 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
 
 def figures(m: "harness.Measurement", held: dict) -> dict:
     """A row's figures: the measurement's, and its kernels' HBM bytes against what the sequences hold."""
-    hbm = m.figures()["hbm_bytes"]
-    return dict(m.figures(), kv_held_bytes=held["kv"], hbm_vs_held=hbm / (held["kv"] + held["q_out"]),
+    figures = m.figures()
+    return dict(figures, kv_held_bytes=held["kv"], hbm_vs_held=figures["hbm_bytes"] / (held["kv"] + held["q_out"]),
                 floor_us=(held["kv"] + held["q_out"]) / GENERATIONS[m.generation].hbm_bytes_per_s * 1e6)
 
 
@@ -285,8 +285,8 @@ def measure_profiled(fn, data: list, index: list, profile_args: list, shape: Att
                      **compile_options) -> dict:
     """A kernel whose loops run as its data says (bench/kernel_profile.py): its compile, its
     schedule's loops and branches counted as they ran on this batch, the bytes its copies moved
-    (its own DMAs' sizes, as they ran), combined by the schedule model (bench/harness.py). data: (shape, dtype)
-    of its array operands, index: its index arrays (concrete), following them; profile_args: all
+    (its own DMAs' sizes, as they ran), combined by the schedule model (bench/harness.py). data:
+    (shape, dtype) of its array operands, index: its index arrays (concrete), following them; profile_args: all
     its arguments for the profile (concrete: zeros, caches of PROFILE_PAGES pages and the page
     indices wrapped into them). kv_itemsize: the cache's bytes per element. describe(eqn, cost):
     a kernel's tiling, for the row. compile_options: `harness.compile`'s (a cache donated
