@@ -41,7 +41,7 @@ bench: $(BENCH_STAMP) ## ragged_dot's modeled bench, its calibration and the hea
 bench-flash: $(BENCH_STAMP) ## flash attention against its anchors, modeled (hours per generation; BENCH_ARGS="--tokens 8192 --generations v6e" for a part)
 	$(PY) bench/flash_bench.py $(BENCH_ARGS)
 
-bench-paged: $(BENCH_STAMP) ## paged attention on serving batches against its anchors, modeled (about an hour per generation)
+bench-paged: $(BENCH_STAMP) ## paged attention on serving batches against its anchors, modeled (about 35 minutes per generation)
 	$(PY) bench/paged_bench.py $(BENCH_ARGS)
 
 tune-flash: $(STAMP) ## flash attention's tuning table (10 to 20 minutes per entry; resumable)
