@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +48,10 @@ def _column(row, eye):
     return jnp.sum(eye * row, axis=1, keepdims=True)
 
 
-def _chunk(q_ref, k_ref, v_ref, gb_ref, o_ref, state_ref, h, *, scale, l2norm, chunk):
-    """One head's chunk: its output rows, and its state carried to the next chunk."""
-    q = q_ref[h].astype(F32)
-    k = k_ref[h].astype(F32)
-    v = v_ref[h].astype(F32)
+def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: int):
+    """One head's chunk on fp32 values: q, k [C, dk], v [C, dv], g and beta [1, C] rows, the state
+    entering [dk, dv]. Returns the output rows [C, dv] and the state leaving. A pure function of
+    its operands: the backward kernel differentiates it (jax.vjp) rather than restating it."""
     if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
@@ -60,10 +60,9 @@ def _chunk(q_ref, k_ref, v_ref, gb_ref, o_ref, state_ref, h, *, scale, l2norm, c
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     eye = (rows == cols).astype(F32)
     # G as a row: g times the upper-triangular ones (G_j = sum over m <= j of g_m).
-    gb = gb_ref[h, 0]
-    cum_row = _dot(gb[0:1], (rows <= cols).astype(F32))
+    cum_row = _dot(g, (rows <= cols).astype(F32))
     cum_col = _column(cum_row, eye)
-    beta = _column(gb[1:2], eye)
+    beta = _column(beta, eye)
     causal = rows >= cols
     # exp of masked differences only: above the diagonal G_i - G_j > 0 can overflow.
     decay = jnp.exp(jnp.where(causal, cum_col - cum_row, -jnp.inf))
@@ -76,27 +75,34 @@ def _chunk(q_ref, k_ref, v_ref, gb_ref, o_ref, state_ref, h, *, scale, l2norm, c
         inverse = _dot(inverse, eye + power)
     u = _dot(inverse, v * beta)
     w = _dot(inverse, k_beta * jnp.exp(cum_col))
-    state = state_ref[h]
     v_new = u - _dot(w, state)
     scores = _dot(q, k, ((1,), (1,))) * decay
     o = _dot(q * jnp.exp(cum_col), state) + _dot(scores, v_new)
-    o_ref[h] = o.astype(o_ref.dtype)
-    total = cum_row[:, chunk - 1:chunk]  # [1, 1]: G at the chunk's last token
+    total = jnp.sum(g, axis=1, keepdims=True)  # [1, 1]: G at the chunk's last token
     k_decayed = k * jnp.exp(total - cum_col)
-    state_ref[h] = state * jnp.exp(total) + _dot(k_decayed, v_new, ((0,), (0,)))
+    return o, state * jnp.exp(total) + _dot(k_decayed, v_new, ((0,), (0,)))
+
+
+def _operands(q_ref, k_ref, v_ref, gb_ref, h):
+    """Head h's q, k, v in fp32 and its g and beta rows."""
+    gb = gb_ref[h, 0]
+    return q_ref[h].astype(F32), k_ref[h].astype(F32), v_ref[h].astype(F32), gb[0:1], gb[1:2]
 
 
 def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
                   q_ref, k_ref, v_ref, gb_ref, h0_ref,  # inputs
-                  o_ref, ht_ref,  # outputs
-                  state_ref,  # scratch
-                  *, scale: float, l2norm: bool, chunk: int):
+                  o_ref, ht_ref, *refs,  # outputs (and the states entering each chunk, if asked), scratch
+                  scale: float, l2norm: bool, chunk: int):
+    *states_ref, state_ref = refs
     c = pl.program_id(1)
     live = seq_ref[c] >= 0
 
     @pl.when(first_ref[c] == 1)
     def _():
         state_ref[...] = h0_ref[...].astype(F32)
+
+    if states_ref:
+        states_ref[0][...] = state_ref[...]
 
     @pl.when(jnp.logical_not(live))
     def _():
@@ -107,58 +113,146 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
         # The heads of a block are independent chains of small matmuls: unrolled, their MXU
         # latencies overlap.
         for h in range(q_ref.shape[0]):
-            _chunk(q_ref, k_ref, v_ref, gb_ref, o_ref, state_ref, h, scale=scale, l2norm=l2norm, chunk=chunk)
+            o, state_ref[h] = _chunk_math(*_operands(q_ref, k_ref, v_ref, gb_ref, h), state_ref[h], scale=scale,
+                                          l2norm=l2norm, chunk=chunk)
+            o_ref[h] = o.astype(o_ref.dtype)
 
     @pl.when(last_ref[c] == 1)
     def _():
         ht_ref[...] = state_ref[...]
 
 
-@functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "chunk", "heads_per_step", "out_dtype",
-                                             "interpret"))
+def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
+                           q_ref, k_ref, v_ref, gb_ref, states_ref, do_ref, dht_ref,  # inputs
+                           dq_ref, dk_ref, dv_ref, dgb_ref, dh0_ref,  # outputs
+                           dstate_ref,  # scratch: the gradient of the state leaving the chunk
+                           *, scale: float, l2norm: bool, chunk: int):
+    """The chunks in reverse: each chunk's gradients from the gradient of its output rows and of
+    the state leaving it (the final state's gradient at a sequence's last chunk), recomputing
+    the chunk from the state that entered it; the state's gradient carried to the chunk before."""
+    c = pl.num_programs(1) - 1 - pl.program_id(1)
+    live = seq_ref[c] >= 0
+
+    @pl.when(last_ref[c] == 1)
+    def _():
+        dstate_ref[...] = dht_ref[...]
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        for ref in (dq_ref, dk_ref, dv_ref, dgb_ref):
+            ref[...] = jnp.zeros(ref.shape, ref.dtype)
+
+    @pl.when(live)
+    def _():
+        math_of_chunk = functools.partial(_chunk_math, scale=scale, l2norm=l2norm, chunk=chunk)
+        for h in range(q_ref.shape[0]):
+            _, pullback = jax.vjp(math_of_chunk, *_operands(q_ref, k_ref, v_ref, gb_ref, h), states_ref[h])
+            dq, dk, dv, dg, dbeta, dstate_ref[h] = pullback((do_ref[h].astype(F32), dstate_ref[h]))
+            dq_ref[h] = dq.astype(dq_ref.dtype)
+            dk_ref[h] = dk.astype(dk_ref.dtype)
+            dv_ref[h] = dv.astype(dv_ref.dtype)
+            dgb_ref[h, 0, 0:1] = dg
+            dgb_ref[h, 0, 1:2] = dbeta
+
+    @pl.when(first_ref[c] == 1)
+    def _():
+        dh0_ref[...] = dstate_ref[...]
+
+
+class _ChunkConfig(typing.NamedTuple):
+    num_seqs: int
+    scale: float
+    l2norm: bool
+    chunk: int
+    heads_per_step: int
+    interpret: bool
+
+
+def _chunk_blocks(config: _ChunkConfig, q, v, reverse: bool):
+    """The (head block, chunk) grid and the blocks of a step: q's, k's and v's tokens, g and beta,
+    a sequence's state (chunks past the live ones stay on the last sequence's block: a block an
+    earlier step left is never revisited, where its output buffer would be written back again,
+    stale), and a chunk's state. The backward walks the chunks in reverse."""
+    heads, padded, dk = q.shape
+    dv = v.shape[-1]
+    chunks = padded // config.chunk
+    hb, chunk = config.heads_per_step, config.chunk
+    at = (lambda c: chunks - 1 - c) if reverse else (lambda c: c)
+    tokens = lambda h, c, *_: (h, at(c), 0)
+    per_chunk = lambda h, c, *_: (h, at(c), 0, 0)
+    per_seq = lambda h, c, seq, *_: (jnp.where(seq[at(c)] >= 0, seq[at(c)], config.num_seqs - 1), h, 0, 0)
+    return ((heads // hb, chunks), [pl.BlockSpec((hb, chunk, d), tokens) for d in (dk, dk, dv)],
+            pl.BlockSpec((hb, 1, 2, chunk), per_chunk), pl.BlockSpec((None, hb, dk, dv), per_seq),
+            pl.BlockSpec((hb, None, dk, dv), per_chunk))
+
+
+def _pallas_call(kernel, config: _ChunkConfig, grid, in_specs, out_specs, out_shape, name: str):
+    """A chunk walk: three per-chunk scalars prefetched, the heads' state (or its gradient) in VMEM
+    scratch, head blocks parallel and chunks in order."""
+    heads_per_step, dk, dv = in_specs[-1].block_shape[1:]
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                                             scratch_shapes=[pltpu.VMEM((heads_per_step, dk, dv), F32)])
+    kernel = functools.partial(kernel, scale=config.scale, l2norm=config.l2norm, chunk=config.chunk)
+    return pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, name=name, interpret=config.interpret,
+                          compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
+
+
+def _chunk_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, h0, *, with_states: bool):
+    grid, qkv, gb_block, seq_state, chunk_state = _chunk_blocks(config, q, v, reverse=False)
+    heads, chunks, dk, dv = q.shape[0], grid[1], q.shape[2], v.shape[2]
+    out_specs = [qkv[2], seq_state] + [chunk_state] * with_states
+    out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct((config.num_seqs, heads, dk, dv), F32),
+                 jax.ShapeDtypeStruct((heads, chunks, dk, dv), F32)][:len(out_specs)]
+    return _pallas_call(_chunk_kernel, config, grid, [*qkv, gb_block, seq_state], out_specs, out_shape,
+                        "gated_delta_rule_chunk")(seq, first, last, q, k, v, gb, h0)
+
+
+def _chunk_backward_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, states, do, dht):
+    grid, qkv, gb_block, seq_state, chunk_state = _chunk_blocks(config, q, v, reverse=True)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, gb, dht)]
+    return _pallas_call(_chunk_backward_kernel, config, grid, [*qkv, gb_block, chunk_state, qkv[2], seq_state],
+                        [*qkv, gb_block, seq_state], out_shape,
+                        "gated_delta_rule_chunk_backward")(seq, first, last, q, k, v, gb, states, do, dht)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk_rule(config, seq, first, last, q, k, v, gb, h0):
+    return tuple(_chunk_call(config, seq, first, last, q, k, v, gb, h0, with_states=False))
+
+
+def _chunk_rule_forward(config, seq, first, last, q, k, v, gb, h0):
+    # Only the inputs are kept: the backward recomputes the states entering each chunk (one
+    # state per chunk and head would be kept otherwise).
+    return _chunk_rule(config, seq, first, last, q, k, v, gb, h0), (seq, first, last, q, k, v, gb, h0)
+
+
+def _chunk_rule_backward(config, residuals, cotangents):
+    seq, first, last, q, k, v, gb, h0 = residuals
+    do, dht = cotangents
+    _, _, states = _chunk_call(config, seq, first, last, q, k, v, gb, h0, with_states=True)
+    dq, dk, dv, dgb, dh0 = _chunk_backward_call(config, seq, first, last, q, k, v, gb, states, do, dht)
+    # A sequence with no chunk is never visited: its block holds nothing (ops.py passes its state
+    # through, and the gradient with it).
+    visited = jnp.any(seq[None, :] == jnp.arange(config.num_seqs, dtype=seq.dtype)[:, None], axis=1)
+    dh0 = jnp.where(visited[:, None, None, None], dh0, 0.0).astype(h0.dtype)
+    return None, None, None, dq, dk, dv, dgb, dh0
+
+
+_chunk_rule.defvjp(_chunk_rule_forward, _chunk_rule_backward)
+
+
+@functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "chunk", "heads_per_step", "interpret"))
 def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool,
-                  chunk: int, heads_per_step: int, out_dtype, interpret: bool):
+                  chunk: int, heads_per_step: int, interpret: bool):
     """q, k [H, P, dk], v [H, P, dv] in chunk layout (P = chunks * chunk tokens), gb [H, chunks,
     2, chunk] fp32 (g, then beta: one block whose two rows fill its tile's lanes), h0 [num_seqs,
     H, dk, dv] fp32; seq, first, last int32 [chunks]. A grid step takes `heads_per_step` heads
-    (a divisor of H) of one chunk. Returns o [H, P, dv] (out_dtype) and the final states
+    (a divisor of H) of one chunk. Returns o [H, P, dv] (q's dtype) and the final states
     [num_seqs, H, dk, dv] (fp32); a sequence with no chunk keeps whatever its final state block
-    held (ops.py substitutes h0)."""
-    heads, padded, dk = q.shape
-    dv = v.shape[-1]
-    chunks = padded // chunk
-    hb = heads_per_step
-    # Chunks past the live ones stay on the last sequence's state block: a block an earlier step
-    # left is never revisited (its output buffer would be written back again, stale).
-    seq_block = lambda h, c, seq, first, last: (jnp.where(seq[c] >= 0, seq[c], num_seqs - 1), h, 0, 0)
-    tokens = lambda h, c, *_: (h, c, 0)
-    per_chunk = lambda h, c, *_: (h, c, 0, 0)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(heads // hb, chunks),
-        in_specs=[
-            pl.BlockSpec((hb, chunk, dk), tokens),
-            pl.BlockSpec((hb, chunk, dk), tokens),
-            pl.BlockSpec((hb, chunk, dv), tokens),
-            pl.BlockSpec((hb, 1, 2, chunk), per_chunk),
-            pl.BlockSpec((None, hb, dk, dv), seq_block),
-        ],
-        out_specs=[
-            pl.BlockSpec((hb, chunk, dv), tokens),
-            pl.BlockSpec((None, hb, dk, dv), seq_block),
-        ],
-        scratch_shapes=[pltpu.VMEM((hb, dk, dv), F32)],
-    )
-    kernel = functools.partial(_chunk_kernel, scale=scale, l2norm=l2norm, chunk=chunk)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((heads, padded, dv), out_dtype),
-                   jax.ShapeDtypeStruct((num_seqs, heads, dk, dv), F32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret,
-        name="gated_delta_rule_chunk",
-    )(seq, first, last, q, k, v, gb, h0)
+    held (ops.py substitutes h0). Differentiable in q, k, v, gb and h0: the backward is a second
+    kernel walking the chunks in reverse."""
+    config = _ChunkConfig(num_seqs, scale, l2norm, chunk, heads_per_step, interpret)
+    return _chunk_rule(config, seq, first, last, q, k, v, gb, h0)
 
 
 def _token_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per token

@@ -145,8 +145,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     gb = chunked(gb).reshape(hv, count, chunk_size, 2).swapaxes(2, 3)
     o, final = chunk_forward(seq, first, last, chunked(q), chunked(k), chunked(v), gb, h0, num_seqs=seqs, scale=scale,
                              l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size,
-                             heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), out_dtype=out_dtype,
-                             interpret=interpret)
+                             heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), interpret=interpret)
     o = jnp.zeros((total, hv, dv), out_dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
     return _outputs(o.reshape(batch, tokens, hv, dv), final, h0, cu, total, output_final_state)
 

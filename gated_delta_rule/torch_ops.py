@@ -1,8 +1,9 @@
 """The torch layer: fla's `chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule` arguments, checked
 with clear errors, one op per call.
 
-Forward only: the op has no gradient yet (training Qwen3.5's linear-attention layers needs the
-backward kernel, not written).
+The chunked rule and the prefill convolution are differentiable (torch autograd runs the chunked
+rule's backward kernel, and the convolution's gradient as XLA compiles it); the decode steps
+(the recurrent rule, the convolution's update) are inference only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def _jax_entry(fn):
     return run
 
 
-chunk_op = jax_custom_op(f"{OP_NAMESPACE}::chunk_gated_delta_rule", _jax_entry(ops.chunk_gated_delta_rule))
+chunk_op = jax_custom_op(f"{OP_NAMESPACE}::chunk_gated_delta_rule", _jax_entry(ops.chunk_gated_delta_rule),
+                         differentiable=("q", "k", "v", "g", "beta", "initial_state"))
 recurrent_op = jax_custom_op(f"{OP_NAMESPACE}::fused_recurrent_gated_delta_rule",
                              _jax_entry(ops.fused_recurrent_gated_delta_rule))
 
@@ -94,7 +96,8 @@ def _conv_update_jax(hidden_states: jax.Array, conv_state: jax.Array, weight: ja
     return conv.causal_conv1d_update(hidden_states, conv_state, weight, bias if bias.size else None, activation or None)
 
 
-conv_fn_op = jax_custom_op(f"{OP_NAMESPACE}::causal_conv1d_fn", _conv_fn_jax)
+conv_fn_op = jax_custom_op(f"{OP_NAMESPACE}::causal_conv1d_fn", _conv_fn_jax,
+                           differentiable=("hidden_states", "weight", "bias"))
 conv_update_op = jax_custom_op(f"{OP_NAMESPACE}::causal_conv1d_update", _conv_update_jax)
 
 
@@ -149,7 +152,7 @@ class ChunkGatedDeltaRule(torch.nn.Module):
     runs bound to transformers' module (kernelize swaps the forward, not the module): no state here.
     """
 
-    has_backward = False  # kernelize(mode=Mode.TRAINING) keeps transformers' torch code
+    has_backward = True
 
     def forward(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
@@ -164,7 +167,7 @@ class FusedRecurrentGatedDeltaRule(torch.nn.Module):
     as `LayerRepository(repo_id, layer_name="fused_recurrent_gated_delta_rule", version=...)`;
     transformers' signature, as for `ChunkGatedDeltaRule`."""
 
-    has_backward = False  # kernelize(mode=Mode.TRAINING) keeps transformers' torch code
+    has_backward = False  # decode only: kernelize(mode=Mode.TRAINING) keeps transformers' torch code
 
     def forward(self, query, key, value, g, beta, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
@@ -176,7 +179,7 @@ class FusedRecurrentGatedDeltaRule(torch.nn.Module):
 class CausalConv1dFn(torch.nn.Module):
     """`causal_conv1d_fn` as the layer kernelize puts in place of transformers' (prefill)."""
 
-    has_backward = False
+    has_backward = True
 
     def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
         return causal_conv1d_fn(hidden_states, weight, bias, activation, **kwargs)
@@ -185,7 +188,7 @@ class CausalConv1dFn(torch.nn.Module):
 class CausalConv1dUpdate(torch.nn.Module):
     """`causal_conv1d_update` as the layer kernelize puts in place of transformers' (decode)."""
 
-    has_backward = False
+    has_backward = False  # decode only
 
     def forward(self, hidden_states, conv_state, weight, bias=None, activation=None):
         return causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)

@@ -131,19 +131,129 @@ def test_kernel_passes_the_tpu_interpreter():
     _check_each_sequence(torch_chunk_gated_delta_rule, cu, (q, k, v, g, beta), states, o, final)
 
 
+# Gradients against the reference's own autograd in fp64: the backward recomputes each chunk in
+# fp32 from the state entering it and differentiates it exactly (the reference solves the chunk's
+# triangular system, ours multiplies squarings). Measured <= 5e-6 of each gradient's largest (g's,
+# a sum over every later token, the loosest); 5e-5 allows longer sums, far below what a dropped
+# decay term or a state gradient not carried to the chunk before moves (>= 1e-2).
+GRAD_TOLERANCE = 5e-5
+
+
+def _reference_gradients(q, k, v, g, beta, state, do, dht, l2norm=True):
+    """The gradients of sum(o * do) + sum(final * dht) wrt q, k, v, g, beta and the initial state, by
+    autograd through transformers' chunked reference in fp64 (q and k repeated as the models do)."""
+    t = [torch.tensor(np.array(a, np.float64), requires_grad=True) for a in (q, k, v, g, beta, state)]
+    repeat = v.shape[2] // q.shape[2]
+    o, final = torch_chunk_gated_delta_rule(t[0].repeat_interleave(repeat, 2), t[1].repeat_interleave(repeat, 2),
+                                            t[2], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True,
+                                            use_qk_l2norm_in_kernel=l2norm)
+    ((o * torch.from_numpy(np.float64(do))).sum() + (final * torch.from_numpy(np.float64(dht))).sum()).backward()
+    return [x.grad.numpy() for x in t]
+
+
+def _gradients(q, k, v, g, beta, state, do, dht, l2norm=True, cu_seqlens=None, interpret=True):
+    def loss(q, k, v, g, beta, state):
+        o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                              cu_seqlens=cu_seqlens,
+                                              use_qk_l2norm_in_kernel=l2norm, interpret=interpret)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dht)
+    return jax.grad(loss, argnums=range(6))(*(jnp.asarray(x) for x in (q, k, v, g, beta, state)))
+
+
+def _cotangents(inputs, seed):
+    """Random gradients of the output and the final states (distinct per head and sequence)."""
+    rng = np.random.default_rng(seed)
+    q, v, state = inputs[0], inputs[2], inputs[5]
+    return (rng.standard_normal(v.shape[:3] + v.shape[3:]).astype(np.float32),
+            rng.standard_normal(state.shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("case", [
+    # batch, tokens, q/k heads, v heads, dk, dv, l2norm
+    (2, 100, 2, 2, 32, 16, True),  # a partial last chunk, two rows each with its own state
+    (1, 150, 1, 2, 64, 32, False),  # three chunks, two value heads on one q/k head, no l2norm
+])
+def test_gradients_match_the_reference_in_fp32(case):
+    """Gradients for q, k, v, g, beta and the initial state (the final state's gradient given
+    too) against autograd through the reference."""
+    batch, tokens, hk, hv, dk, dv, l2norm = case
+    inputs = _inputs(batch, tokens, hk, hv, dk, dv, seed=11)
+    do, dht = _cotangents(inputs, seed=12)
+    got = _gradients(*inputs, do, dht, l2norm=l2norm)
+    want = _reference_gradients(*inputs, do, dht, l2norm=l2norm)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        assert a.dtype == jnp.float32 and _error(a, b) <= GRAD_TOLERANCE, (name, _error(a, b))
+
+
+def test_gradients_of_packed_sequences_and_bf16():
+    """Packed sequences (one empty, chunks past the live ones: the bound is 5, 4 live), each
+    sequence's gradients those of the reference on it alone; the empty sequence's initial state
+    gets its final state's gradient (the state passes through). bf16 q, k, v and beta get their
+    gradients in bf16: the fp32 ones of the same values, rounded once; g's and the state's stay fp32."""
+    cu = np.array([0, 70, 70, 200], np.int32)
+    inputs = _inputs(1, 200, 2, 4, 32, 16, seqs=3, seed=13)
+    do, dht = _cotangents(inputs, seed=14)
+    got = _gradients(*inputs, do, dht, cu_seqlens=jnp.asarray(cu))
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        if a == b:
+            np.testing.assert_array_equal(got[5][n], dht[n])
+            continue
+        want = _reference_gradients(*(x[:, a:b] for x in inputs[:5]), inputs[5][n:n + 1], do[:, a:b], dht[n:n + 1])
+        for name, x, w in zip(("q", "k", "v", "g", "beta"), got[:5], want[:5]):
+            assert _error(x[:, a:b], w) <= GRAD_TOLERANCE, (n, name, _error(x[:, a:b], w))
+        assert _error(got[5][n:n + 1], want[5]) <= GRAD_TOLERANCE, (n, "initial_state")
+    bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    q, k, v, g, beta, state = inputs
+    low = _gradients(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g, jnp.asarray(beta, jnp.bfloat16), state,
+                     do, dht, cu_seqlens=jnp.asarray(cu))
+    # A bf16 output's gradient reaches the kernel in bf16 (as torch's autograd passes it): the
+    # fp32 run gets the same rounded values.
+    exact = _gradients(bf16(q), bf16(k), bf16(v), g, bf16(beta), state, bf16(do), dht, cu_seqlens=jnp.asarray(cu))
+    for name, x, w in zip(("q", "k", "v", "g", "beta", "initial_state"), low, exact):
+        assert x.dtype == (jnp.float32 if name in ("g", "initial_state") else jnp.bfloat16), name
+        assert _error(x, np.asarray(w)) <= (BF16_TOLERANCE if x.dtype == jnp.bfloat16 else GRAD_TOLERANCE), name
+
+
+def test_backward_passes_the_tpu_interpreter():
+    """The backward walks the chunks in reverse, so the chunks past the live ones come first: no
+    races, no reads of uninitialised memory, no output block written back twice; the gradients
+    those of the reference (a sequence of one chunk, one of a partial chunk, 5 chunks bound)."""
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    cu = np.array([0, 64, 70, 130])
+    inputs = _inputs(1, 130, 1, 2, 128, 128, seqs=3, seed=15)
+    do, dht = _cotangents(inputs, seed=16)
+    got = _gradients(*inputs, do, dht, cu_seqlens=jnp.asarray(cu), interpret=params)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        want = _reference_gradients(*(x[:, a:b] for x in inputs[:5]), inputs[5][n:n + 1], do[:, a:b], dht[n:n + 1])
+        for name, x, w in zip(("q", "k", "v", "g", "beta"), got[:5], want[:5]):
+            assert _error(x[:, a:b], w) <= GRAD_TOLERANCE, (n, name)
+        assert _error(got[5][n:n + 1], want[5]) <= GRAD_TOLERANCE, (n, "initial_state")
+
+
 @pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
 def test_compiles_for_tpu(generation):
-    """libtpu compiles the kernel at Qwen3.5's linear-attention head dims (128, bf16 inputs) within VMEM."""
-    fn = lambda q, k, v, g, b, h0: ops.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0,
-                                                              output_final_state=True,
-                                                              use_qk_l2norm_in_kernel=True, interpret=False)
+    """libtpu compiles the forward and the backward at Qwen3.5's linear-attention head dims (128,
+    bf16 inputs) within VMEM: a training step's gradients, so both kernels are in the program."""
+    def step(q, k, v, g, b, h0, do):
+        def loss(q, k, v, g, b, h0):
+            o, final = ops.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True, interpret=False)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final)
+        return jax.grad(loss, argnums=range(6))(q, k, v, g, b, h0)
+
     tokens, hk, hv, d = 1024, 2, 4, 128
     specs = [((1, tokens, hk, d), jnp.bfloat16)] * 2 + [((1, tokens, hv, d), jnp.bfloat16),
                                                        ((1, tokens, hv), jnp.float32), ((1, tokens, hv), jnp.bfloat16),
-                                                       ((1, hv, d, d), jnp.float32)]
-    report = tpu_compile.compile_for(fn, specs, generation, "gated_delta_rule")
-    (kernel,) = report.kernels.values()
-    assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
+                                                       ((1, hv, d, d), jnp.float32), ((1, tokens, hv, d), jnp.float32)]
+    report = tpu_compile.compile_for(step, specs, generation, "gated_delta_rule")
+    names = sorted(name.split(".")[0] for name in report.kernels)
+    assert names == ["gated_delta_rule_chunk", "gated_delta_rule_chunk_backward"], names
+    for kernel in report.kernels.values():
+        assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
 
 
 @pytest.mark.parametrize("batch,tokens,hk,hv,dtype", [(3, 1, 1, 2, np.float32), (2, 5, 2, 2, np.float32),
@@ -292,6 +402,27 @@ def test_torch_entry_point_names_bad_arguments(change, error, message):
         torch_ops.chunk_gated_delta_rule(**args)
 
 
+def test_torch_entry_point_gradients_as_training_calls_it():
+    """torch autograd through the torch op (packed sequences as in packed-sequence training, each
+    with its initial state): every input's gradient that of the reference on its sequence alone."""
+    from gated_delta_rule import torch_ops
+
+    cu = np.array([0, 80, 150])
+    inputs = _inputs(1, 150, 1, 2, 32, 16, seqs=2, seed=17)
+    do, dht = _cotangents(inputs, seed=18)
+    leaves = [torch.tensor(x, requires_grad=True) for x in inputs]
+    q, k, v, g, beta, state = leaves
+    o, final = torch_ops.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, cu_seqlens=torch.from_numpy(cu))
+    ((o * torch.from_numpy(do)).sum() + (final * torch.from_numpy(dht)).sum()).backward()
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        want = _reference_gradients(*(x[:, a:b] for x in inputs[:5]), inputs[5][n:n + 1], do[:, a:b], dht[n:n + 1])
+        for name, x, w in zip(("q", "k", "v", "g", "beta"), leaves[:5], want[:5]):
+            assert _error(x.grad[:, a:b].numpy(), w) <= GRAD_TOLERANCE, (n, name)
+        assert _error(state.grad[n:n + 1].numpy(), want[5]) <= GRAD_TOLERANCE, (n, "initial_state")
+
+
 def _conv_inputs(batch=2, channels=24, tokens=9, taps=4, state=3, seed=10):
     rng = np.random.default_rng(seed)
     x = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
@@ -334,6 +465,23 @@ def test_causal_conv1d_keeps_packed_sequences_apart():
     for a, e in zip(starts, starts[1:]):
         want = causal_conv1d_fn(x[:, :, a:e], w, b, activation="silu")
         assert _error(got[:, :, a:e].numpy(), want.numpy()) <= 1e-6
+
+
+def test_causal_conv1d_gradients_match_transformers():
+    """The prefill convolution's gradients (input, weight, bias; SiLU fused) against autograd
+    through transformers' own: the same products summed in another order."""
+    from gated_delta_rule import torch_ops
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    x, w, b, _ = _conv_inputs()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(19))
+    grads = []
+    for fn in (causal_conv1d_fn, torch_ops.causal_conv1d_fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        (fn(*leaves, activation="silu") * grad).sum().backward()
+        grads.append([t.grad.numpy() for t in leaves])
+    for name, want, got in zip(("hidden_states", "weight", "bias"), *grads):
+        assert _error(got, want) <= 1e-6, name
 
 
 @pytest.mark.parametrize("call,message", [
