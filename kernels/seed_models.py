@@ -1,6 +1,6 @@
 """Tiny random-weight configs of the models our users run first on TPUs:
 Gemma 4 (MoE and dense), Qwen3-30B-A3B (Qwen3-MoE), Qwen3.5 and Qwen3.5-MoE,
-gpt-oss. Each is small enough for Pallas interpret mode on a CPU but keeps
+Qwen3-Next, gpt-oss. Each is small enough for Pallas interpret mode on a CPU but keeps
 what its family brings to our kernels: layer types, per-layer head dims,
 sliding windows, K read as V, shared experts, sinks, softcaps, scaling.
 The tests (tests/test_seed_models.py, the serving loop, the 2-process
@@ -41,12 +41,16 @@ SEEDS = {
     # Qwen3.5-35B-A3B: the same layers, experts and a gated shared expert.
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(QWEN3_5, num_experts=8, num_experts_per_tok=2,
                                                  moe_intermediate_size=24, shared_expert_intermediate_size=24)),
+    # Qwen3-Next-80B-A3B: Qwen3.5's layer pattern (its predecessor: three gated delta rule layers
+    # to one gated full-attention layer at head_dim 256), every layer MoE with a gated shared expert.
+    "qwen3_next": ("Qwen3NextConfig", dict(QWEN3_5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                           shared_expert_intermediate_size=24, intermediate_size=64)),
     # gpt-oss: sinks, alternating sliding window, head_dim 64, experts with biases and a clamp.
     "gpt_oss": ("GptOssConfig", dict(BASE, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                                      sliding_window=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                      intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
 }
-MOE = {"gemma4_moe", "qwen3_moe", "qwen3_5_moe", "gpt_oss"}
+MOE = {"gemma4_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss"}
 
 
 def config(name: str):

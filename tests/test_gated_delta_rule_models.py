@@ -1,13 +1,13 @@
-"""A tiny random Qwen3.5 and Qwen3.5-MoE (kernels/seed_models.py) whose linear-attention layers run our gated delta
-rule, hooked in as the card's transformers block does it: kernels' `kernelize` under a
-`use_kernel_mapping` from transformers' layer names `chunk_gated_delta_rule` and
-`fused_recurrent_gated_delta_rule` to the Hub repo's layers (`LayerRepository`, which loads them with
-get_kernel, here offline from the Hub cache that build_collection.load_from_hub lays out). Against
-the same model on transformers' torch code, in fp32: logits over a batch with a left-padded row and
-70 tokens (a chunk of 64 and part of one), a prompt continued on the cache, greedy tokens; and which
-call ran where.
+"""A tiny random Qwen3.5, Qwen3.5-MoE and Qwen3-Next (kernels/seed_models.py) whose linear-attention
+layers run our gated delta rule, hooked in as the card's transformers block does it: kernels'
+`kernelize` under a `use_kernel_mapping` from transformers' layer names to the Hub repo's layers
+(`LayerRepository`, which loads them with get_kernel, here offline from the Hub cache that
+build_collection.load_from_hub lays out). Against the same model on transformers' torch code, in
+fp32: logits over a batch with a left-padded row and 70 tokens (a chunk of 64 and part of one), a
+prompt continued on the cache, greedy tokens, and which call ran where; and packed-sequence
+training's gradients (kernelize for training) against each sequence alone.
 
-What transformers 5.22 calls in Qwen3_5GatedDeltaNet.forward, so what this covers:
+What transformers 5.22 calls in the families' GatedDeltaNet.forward, so what this covers:
 `torch_chunk_gated_delta_rule` for every forward of more than one token (prefill, and a prompt
 continued on a cache, with the cached state as initial_state), and `torch_recurrent_gated_delta_rule`
 for a decode step (one token with a cache): ours, once per linear-attention layer each.
@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+from transformers.models.qwen3_next import modeling_qwen3_next
 
 import build_collection
 import seed_models
@@ -34,7 +35,7 @@ REPO = KERNEL["repo-id"]
 # Seed (kernels/seed_models.py) -> its modeling file. transformers' rules are modules (kernels'
 # use_kernel_forward_from_hub), one per modeling file, shared by every model of the family:
 # kernelize swaps their forward, so it reaches every such model.
-FAMILIES = {"qwen3_5": modeling_qwen3_5, "qwen3_5_moe": modeling_qwen3_5_moe}
+FAMILIES = {"qwen3_5": modeling_qwen3_5, "qwen3_5_moe": modeling_qwen3_5_moe, "qwen3_next": modeling_qwen3_next}
 
 
 def _rules(seed):
@@ -233,10 +234,11 @@ def test_packed_sequence_training_matches_each_sequence_alone(hooked):
         kernelize(model, mode=Mode.INFERENCE, device="cpu")  # no mapping: transformers' torch code
         assert _torch_code(rules)
         model.train()
-        exact, double = {}, copy.deepcopy(model).double()
+        exact, fallback, double = {}, {}, copy.deepcopy(model).double()
         for a, b in zip(bounds, bounds[1:]):
-            for name, grad in _loss_gradients(double, weights[:, a:b].double(), ids[:, a:b]).items():
-                exact[name] = exact.get(name, 0) + grad
+            for sums, run, w in ((exact, double, weights.double()), (fallback, model, weights)):
+                for name, grad in _loss_gradients(run, w[:, a:b], ids[:, a:b]).items():
+                    sums[name] = sums.get(name, 0) + grad
         with use_kernel_mapping(_mapping()):
             kernelize(model, mode=Mode.TRAINING, device="cpu")
         assert [rule.forward.__func__ is type(rule).forward for rule in rules] == [False, True, False, True], \
@@ -259,10 +261,11 @@ def test_packed_sequence_training_matches_each_sequence_alone(hooked):
         with use_kernel_mapping(_mapping()):
             kernelize(model, mode=Mode.INFERENCE, device="cpu")
     assert ours.keys() == exact.keys()
-    # Tolerance: as the seed models' gradients (tests/test_seed_models.py), 1e-3 of each tensor's
-    # largest. Measured <= 2.2e-4 (A_log's, which sums g's gradient over every token), with
-    # transformers' own fp32 code <= 6e-5 from fp64; a state gradient not carried between chunks
-    # or sequences mixed moves them by O(1).
-    for name, want in exact.items():
-        scale = want.abs().max().item()
-        assert (ours[name] - want).abs().max().item() <= 1e-3 * scale, name
+    # Tolerance, of each tensor's largest: 1e-3 (as the seed models' gradients, tests/test_seed_models.py),
+    # or twice transformers' own fp32 code's worst distance from fp64 where that is larger. Measured:
+    # ours <= 2.2e-4 (Qwen3.5) and 1.4e-3 (Qwen3-Next, whose fp32 torch code is 6.5e-3 off); a state
+    # gradient not carried between chunks moves the worst to 3-15% (sequences mixed: O(1)).
+    relative = lambda grads, name: ((grads[name] - exact[name]).abs().max() / exact[name].abs().max()).item()
+    tolerance = max(1e-3, 2 * max(relative(fallback, name) for name in exact))
+    for name in exact:
+        assert relative(ours, name) <= tolerance, (name, relative(ours, name), tolerance)

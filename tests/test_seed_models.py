@@ -166,6 +166,7 @@ def test_generate_batch_gives_the_tokens_of_generate(hub, seed):
 @pytest.mark.parametrize("seed,refusal", [
     ("gemma4_moe", "'head_dim' is a per-layer attribute"),  # served by our paged loop instead
     ("qwen3_5_moe", "Invalid layer type: linear_attention"),
+    ("qwen3_next", "Invalid layer type: linear_attention"),
 ])
 def test_continuous_batching_cannot_take(hub, seed, refusal):
     """Where transformers 5.22's continuous batching cannot size the family's cache it says so;
