@@ -153,6 +153,7 @@ class ChunkGatedDeltaRule(torch.nn.Module):
     """
 
     has_backward = True
+    can_torch_compile = True  # a custom op with a fake implementation: torch.compile keeps one graph
 
     def forward(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
@@ -168,6 +169,7 @@ class FusedRecurrentGatedDeltaRule(torch.nn.Module):
     transformers' signature, as for `ChunkGatedDeltaRule`."""
 
     has_backward = False  # decode only: kernelize(mode=Mode.TRAINING) keeps transformers' torch code
+    can_torch_compile = True
 
     def forward(self, query, key, value, g, beta, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
@@ -180,6 +182,7 @@ class CausalConv1dFn(torch.nn.Module):
     """`causal_conv1d_fn` as the layer kernelize puts in place of transformers' (prefill)."""
 
     has_backward = True
+    can_torch_compile = True
 
     def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
         return causal_conv1d_fn(hidden_states, weight, bias, activation, **kwargs)
@@ -189,6 +192,7 @@ class CausalConv1dUpdate(torch.nn.Module):
     """`causal_conv1d_update` as the layer kernelize puts in place of transformers' (decode)."""
 
     has_backward = False  # decode only
+    can_torch_compile = True
 
     def forward(self, hidden_states, conv_state, weight, bias=None, activation=None):
         return causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)

@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
+from torch._inductor.compile_fx import compile_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
@@ -269,3 +270,49 @@ def test_packed_sequence_training_matches_each_sequence_alone(hooked):
     tolerance = max(1e-3, 2 * max(relative(fallback, name) for name in exact))
     for name in exact:
         assert relative(ours, name) <= tolerance, (name, relative(ours, name), tolerance)
+
+
+def test_bf16_model_compiles_in_one_graph(hooked):
+    """kernelize for torch.compile, then torch.compile(fullgraph=True, dynamic=False) (TorchTPU's
+    fast mode) over the bf16 model: our chunked rule and convolution in every linear-attention layer
+    of the graph. bf16 rounds differently once fused, and these random models amplify rounding: the
+    compiled model's logits must be no further from fp64's than transformers' torch code in bf16
+    eager is, within 2x."""
+    model, _, exact, qualnames, linear, rules = hooked
+    ids, mask = _batch()
+    error = lambda logits: (_real(logits).double() - _real(exact)).abs().mean().item()
+    # The model itself, in bf16 for this test: kernelize reaches transformers' shared rules through
+    # a model's own layers (a copy's are copies).
+    weights = copy.deepcopy(model.state_dict())
+    moe = any(name.endswith(".experts") for name, _ in model.named_modules())
+    try:
+        model.to(torch.bfloat16)
+        if moe:  # the eager loop over the experts hit is data-dependent: not one graph
+            model.set_experts_implementation("grouped_mm")
+        kernelize(model, mode=Mode.INFERENCE, device="cpu")  # no mapping: transformers' torch code
+        assert _torch_code(rules)
+        with torch.no_grad():
+            eager_error = error(model(ids, attention_mask=mask).logits)
+        with use_kernel_mapping(_mapping()):
+            kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
+        assert not any(rule.forward.__func__ is type(rule).forward for rule in rules)
+        graphs = []
+
+        def inductor(graph, example_inputs):  # the graph dynamo traced, then compiled as by default
+            graphs.append([str(node.target) for node in graph.graph.nodes if node.op == "call_function"])
+            return compile_fx(graph, example_inputs)
+
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=inductor, fullgraph=True, dynamic=False)(
+                ids, attention_mask=mask).logits
+    finally:
+        model.float().load_state_dict(weights)
+        if moe:
+            model.set_experts_implementation("eager")
+        with use_kernel_mapping(_mapping()):
+            kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    (graph,) = graphs
+    calls = {name: sum(target == f"{qualname.replace('::', '.')}.default" for target in graph)
+             for qualname, name in qualnames.items()}
+    assert calls == {"chunk": len(linear), "recurrent": 0, "conv": len(linear), "conv_update": 0}, calls
+    assert error(compiled) <= 2 * eager_error, (error(compiled), eager_error)
