@@ -255,7 +255,7 @@ def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: fl
     return _chunk_rule(config, seq, first, last, q, k, v, gb, h0)
 
 
-def _token_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per token
+def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: per token; the call's flags
                   q_ref, k_ref, v_ref, gb_ref, h0_ref,  # inputs
                   o_ref, ht_ref,  # outputs
                   state_ref,  # scratch
@@ -263,6 +263,7 @@ def _token_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per token
     """One token of every head: the recurrence's step, S <- exp(g) S + beta k (v - S^T k)^T,
     o = S^T q (q scaled), the state in VMEM scratch from a sequence's first token to its last."""
     t = pl.program_id(0)
+    valid, last_seq_empty = flags_ref[0] == 1, flags_ref[1] == 1
 
     @pl.when(first_ref[t] == 1)
     def _():
@@ -290,24 +291,32 @@ def _token_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per token
 
     @pl.when(last_ref[t] == 1)
     def _():
-        ht_ref[...] = state_ref[...]
+        ht_ref[...] = jnp.where(valid, state_ref[...], jnp.nan)
+
+    # Tokens past the live ones stay on the last sequence's block; if that sequence has no token,
+    # its block (h0's, aliased) is written back as it came.
+    @pl.when((seq_ref[t] < 0) & last_seq_empty)
+    def _():
+        ht_ref[...] = h0_ref[...]
 
 
 @functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "out_dtype", "interpret"))
-def recurrent_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool, out_dtype,
-                      interpret: bool):
+def recurrent_forward(seq, first, last, flags, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool,
+                      out_dtype, interpret: bool):
     """Token by token: q, k [T, H, dk], v [T, H, dv], gb [T, H, 2] fp32 (g, beta), h0 [num_seqs, H,
-    dk, dv] fp32; seq, first, last int32 [T] (each token's sequence, and whether it is the
-    sequence's first or last). The grid walks the tokens in order, every head in one step: for a
-    decode step (a token per sequence) the work is the state's read and write, which one step
-    per token reads once. Returns o [T, H, dv] (out_dtype) and the final states (fp32; a sequence
-    with no token keeps whatever its block held: ops.py substitutes h0)."""
+    dk, dv] fp32; seq, first, last int32 [T] (each token's sequence, -1 past the live ones, and
+    whether it is the sequence's first or last); flags int32 [2] (the offsets valid; the last
+    sequence empty). The grid walks the tokens in order, every head in one step: for a decode step
+    (a token per sequence) the work is the state's read and write, which one step per token reads
+    once. Returns o [T, H, dv] (out_dtype) and the final states (fp32) in h0's buffer: a sequence
+    with no token keeps its h0 (with h0 donated, the states are updated in place; else XLA copies
+    h0 first); with flags[0] 0 every state a token reaches is NaN."""
     tokens, heads, dk = q.shape
     dv = v.shape[-1]
     per_token = lambda t, *_: (t, 0, 0)
-    seq_block = lambda t, seq, first, last: (seq[t], 0, 0, 0)
+    seq_block = lambda t, seq, *_: (jnp.where(seq[t] >= 0, seq[t], num_seqs - 1), 0, 0, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(tokens,),
         in_specs=[
             pl.BlockSpec((None, heads, dk), per_token),
@@ -329,6 +338,7 @@ def recurrent_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale
         out_shape=[jax.ShapeDtypeStruct((tokens, heads, dv), out_dtype),
                    jax.ShapeDtypeStruct((num_seqs, heads, dk, dv), F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        input_output_aliases={8: 1},
         interpret=interpret,
         name="gated_delta_rule_recurrent",
-    )(seq, first, last, q, k, v, gb, h0)
+    )(seq, first, last, flags, q, k, v, gb, h0)

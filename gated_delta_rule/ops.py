@@ -114,12 +114,17 @@ def _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret):
             default_interpret() if interpret is None else interpret, h0, q, k)
 
 
+def _valid(cu, tokens: int):
+    """Whether offsets on the device rise from 0 to at most the token count (not checked on the
+    host: that would sync). Where they do not, every output is NaN rather than silently wrong;
+    tokens past the last offset are padding, ignored."""
+    return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] <= tokens)
+
+
 def _outputs(o, final, h0, cu, tokens: int, output_final_state):
-    """(o, final states or None). A sequence with no tokens is never visited: its state passes
-    through. Offsets on the device that do not rise from 0 to at most the token count (not checked
-    on the host: that would sync) make every output NaN rather than silently wrong; tokens past
-    the last offset are padding, ignored."""
-    valid = (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] <= tokens)
+    """(o, final states or None) of the chunked kernel. A sequence with no tokens is never visited:
+    its state passes through."""
+    valid = _valid(cu, tokens)
     o = jnp.where(valid, o, jnp.nan).astype(o.dtype)
     if not output_final_state:
         return o, None
@@ -151,15 +156,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 
 def token_layout(cu_seqlens, tokens: int, seqs: int):
-    """Per token: its sequence (tokens past the live ones: the last sequence), whether it is its
-    sequence's first and last token, and whether it is live."""
+    """Per token: its sequence (-1 past the live ones), whether it is its sequence's first and last
+    token, and whether it is live."""
     cu = cu_seqlens.astype(jnp.int32)
     t = jnp.arange(tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, seqs - 1).astype(jnp.int32)
     live = t < cu[-1]
     first = (live & (t == cu[seq])).astype(jnp.int32)
     last = (live & (t == cu[seq + 1] - 1)).astype(jnp.int32)
-    return seq, first, last, live
+    return jnp.where(live, seq, -1), first, last, live
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -169,9 +174,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     batch, tokens, hv, dv = v.shape
     total = batch * tokens
     seq, first, last, live = token_layout(cu, total, seqs)
+    valid = _valid(cu, total)
+    flags = jnp.stack([valid, cu[-1] == cu[-2]]).astype(jnp.int32)
     flat = lambda x: jnp.asarray(x).reshape(total, *x.shape[2:])
     gb = jnp.stack([flat(jnp.asarray(g, jnp.float32)), flat(jnp.asarray(beta, jnp.float32))], axis=-1)
-    o, final = recurrent_forward(seq, first, last, flat(q), flat(k), flat(v), gb, h0, num_seqs=seqs, scale=scale,
-                                 l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype, interpret=interpret)
-    o = jnp.where(live[:, None, None], o, 0).astype(out_dtype).reshape(batch, tokens, hv, dv)
-    return _outputs(o, final, h0, cu, total, output_final_state)
+    # The states come back in h0's buffer, NaN where the offsets are not valid: no pass over them here.
+    o, final = recurrent_forward(seq, first, last, flags, flat(q), flat(k), flat(v), gb, h0, num_seqs=seqs,
+                                 scale=scale, l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype,
+                                 interpret=interpret)
+    o = jnp.where(valid & live[:, None, None], o, jnp.where(valid, 0, jnp.nan)).astype(out_dtype)
+    return o.reshape(batch, tokens, hv, dv), (final if output_final_state else None)
