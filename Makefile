@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 .DEFAULT_GOAL := help
 
-.PHONY: help demo test build bench bench-flash bench-paged tune tune-flash tune-paged check-tuned check-compile publish venv clean
+.PHONY: help demo test build bench bench-flash bench-paged bench-gdr tune tune-flash tune-paged check-tuned check-compile publish venv clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -43,6 +43,9 @@ bench-flash: $(BENCH_STAMP) ## flash attention against its anchors, modeled (hou
 
 bench-paged: $(BENCH_STAMP) ## paged attention on serving batches against its anchors, modeled (about 35 minutes per generation)
 	$(PY) bench/paged_bench.py $(BENCH_ARGS)
+
+bench-gdr: $(BENCH_STAMP) ## the gated delta rule's prefill, training step and decode, modeled (about 2 minutes for v6e and tpu7x; BENCH_ARGS="--generations v6e" for a part)
+	$(PY) bench/gdr_bench.py $(BENCH_ARGS)
 
 tune-flash: $(STAMP) ## flash attention's tuning table (10 to 20 minutes per entry; resumable)
 	$(PY) bench/flash_tune.py $(TUNE_ARGS)
