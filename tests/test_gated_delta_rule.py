@@ -3,6 +3,7 @@ reference functions (Qwen3.5's): fp32 and bf16, lengths that are not a multiple 
 initial and final states, packed sequences (one of them empty), value heads sharing q/k heads,
 the TPU interpreter, libtpu's compile, and bad input."""
 
+import os
 import re
 
 import jax
@@ -234,24 +235,33 @@ def test_backward_passes_the_tpu_interpreter():
         assert _error(got[5][n:n + 1], want[5]) <= GRAD_TOLERANCE, (n, "initial_state")
 
 
-@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
-def test_compiles_for_tpu(generation):
-    """libtpu compiles the forward and the backward at Qwen3.5's linear-attention head dims (128,
-    bf16 inputs) within VMEM: a training step's gradients, so both kernels are in the program."""
+# (generation, tokens, q/k heads, v heads): `make test` compiles two generations at 1024 tokens;
+# `make check-compile` (CHECK_ALL_COMPILES=1) every generation at Qwen3.5's 16 and 32 heads, 8k and
+# 32k tokens.
+TRAINING_COMPILES = [("v5e", 1024, 2, 4), ("tpu7x", 1024, 2, 4)] + (
+    [(g, t, 16, 32) for g in GENERATIONS for t in (8192, 32768)] if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
+DECODE_COMPILES = ["v5e", "tpu7x"] + (["v5p", "v6e"] if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
+
+
+@pytest.mark.parametrize("case", TRAINING_COMPILES, ids=lambda c: f"{c[0]}-{c[1]}tokens-{c[2]}x{c[3]}heads")
+def test_compiles_for_tpu(case):
+    """libtpu compiles the forward and the backward at the models' head dims (128, bf16 inputs)
+    within VMEM: a training step's loss and gradients, so both kernels are in the program."""
     def step(q, k, v, g, b, h0, do):
         def loss(q, k, v, g, b, h0):
             o, final = ops.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
                                                   use_qk_l2norm_in_kernel=True, interpret=False)
             return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final)
-        return jax.grad(loss, argnums=range(6))(q, k, v, g, b, h0)
+        return jax.value_and_grad(loss, argnums=range(6))(q, k, v, g, b, h0)
 
-    tokens, hk, hv, d = 1024, 2, 4, 128
+    generation, tokens, hk, hv = case
+    d = 128
     specs = [((1, tokens, hk, d), jnp.bfloat16)] * 2 + [((1, tokens, hv, d), jnp.bfloat16),
                                                        ((1, tokens, hv), jnp.float32), ((1, tokens, hv), jnp.bfloat16),
                                                        ((1, hv, d, d), jnp.float32), ((1, tokens, hv, d), jnp.float32)]
     report = tpu_compile.compile_for(step, specs, generation, "gated_delta_rule")
-    names = sorted(name.split(".")[0] for name in report.kernels)
-    assert names == ["gated_delta_rule_chunk", "gated_delta_rule_chunk_backward"], names
+    names = {name.split(".")[0] for name in report.kernels}
+    assert names == {"gated_delta_rule_chunk", "gated_delta_rule_chunk_backward"}, names
     for kernel in report.kernels.values():
         assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
 
@@ -319,7 +329,7 @@ def test_bad_offsets_on_the_device_make_every_output_nan(entry, cu):
     assert bool(jnp.isfinite(good).all())
 
 
-@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
+@pytest.mark.parametrize("generation", DECODE_COMPILES)
 def test_recurrent_compiles_for_tpu(generation):
     """libtpu compiles the decode step at Qwen3.5-9B's linear attention (16 q/k heads, 32 value heads,
     head dims 128, bf16) for 64 sequences, within VMEM."""
