@@ -100,10 +100,10 @@ def cache_specs(shape: AttentionShape, routing: dict, batch: Batch, dtype, cache
     """K's and V's cache (shape, dtype, layout) as an engine holds them: in the layout our kernels
     read in place (under 128 lanes, libtpu's default layout would cost a whole copy per call),
     its dims ordered as `cache_layout` says (`ops.CACHE_LAYOUTS`)."""
-    from paged_attention.ops import CACHE_MAJOR_TO_MINOR, cache_shape
+    from paged_attention.ops import cache_major_to_minor, cache_shape
 
     dims = cache_shape(routing["num_pages"], batch.page_size, shape.kv_heads, shape.head_dim, cache_layout)
-    return [(dims, dtype, CACHE_MAJOR_TO_MINOR)] * 2
+    return [(dims, dtype, cache_major_to_minor(shape.kv_heads, cache_layout))] * 2
 
 
 def held_bytes(shape: AttentionShape, batch: Batch, routing: dict, cache_itemsize: int) -> dict:

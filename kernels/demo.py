@@ -220,7 +220,7 @@ def seed_compiles_for(kernels: dict) -> list[str]:
     paged = sys.modules[kernels["paged_attention"].__name__ + ".ops"]
     experts = sys.modules[kernels["ragged_dot"].__name__ + ".ops"]
     seqs, page_size, pages_per_seq, num_pages = 64, 16, 64, 1024
-    cache = (paged.cache_shape(num_pages, page_size, 2, 512), jnp.bfloat16, paged.CACHE_MAJOR_TO_MINOR)
+    cache = (paged.cache_shape(num_pages, page_size, 2, 512), jnp.bfloat16, paged.cache_major_to_minor(2))
     attention_specs = [((seqs, 16, 512), jnp.bfloat16), cache, cache, ((seqs,), jnp.int32),
                        ((seqs, pages_per_seq), jnp.int32), ((seqs + 1,), jnp.int32), ((), jnp.int32)]
     tokens, hidden, inter, num_experts, top_k = 64, 2112, 704, 128, 8

@@ -38,6 +38,15 @@ QUERY_DTYPES = (jnp.bfloat16, jnp.float32)
 # Format(Layout(CACHE_MAJOR_TO_MINOR), sharding)). A page's rows then take 128 lanes in HBM
 # (`kernel.page_bytes`), as vLLM's TPU cache pads head_dim to 128.
 CACHE_MAJOR_TO_MINOR = (0, 1, 2, 3)
+
+
+def cache_major_to_minor(kv_heads: int, cache_layout: str = "token_major") -> tuple[int, int, int, int]:
+    """The layout to hold a cache in: CACHE_MAJOR_TO_MINOR, but for a token-major cache of one KV
+    head (MQA). Row-major, its [1, D] rows would each pad to a whole tile of rows in HBM and the
+    kernels' view of a page as [page_size, D] would be a copy of the cache per call; with the page's
+    tokens second-minor the same elements lie as the kernels read them (as a head-major cache of
+    one head holds them)."""
+    return (0, 2, 1, 3) if kv_heads == 1 and cache_layout == "token_major" else CACHE_MAJOR_TO_MINOR
 # How a cache's dims are ordered, each row-major. token_major [pages, page_size, Hkv, D] is vLLM's;
 # head_major [pages, Hkv, page_size, D] keeps each KV head's rows of a page together, so the
 # kernel reads a head as whole tiles where token-major needs strided loads that split and
@@ -309,8 +318,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     steps are split over the megacore's two cores. Without `blocks`, decode sequences (one new
     token) run in 8-row query blocks (`tuning.decode_blocks`) and the others in larger ones
     (`tuning.prefill_blocks`), two kernels over the batch, each stepping through its own sequences.
-    Hold the caches in CACHE_MAJOR_TO_MINOR: at head_dim 64, another layout costs a copy of the
-    whole cache per call.
+    Hold the caches in `cache_major_to_minor(Hkv, cache_layout)`: at head_dim 64, or with one KV
+    head, another layout costs a copy of the whole cache per call.
     """
     check_shapes(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sinks, cache_layout)
     if sliding_window is not None and sliding_window < 1:
@@ -435,15 +444,17 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
     t = slot_mapping.shape[0]
     key = quantize(key[:t], key_cache.dtype, scale_operand("k_scale", k_scale))
     value = quantize(value[:t], value_cache.dtype, scale_operand("v_scale", v_scale))
-    if cache_layout == "head_major":
-        # A token's row of each head is one row of a page's tiles, which a DMA cannot address in
-        # HBM (Mosaic's copies start on whole tiles): XLA's scatter writes it, in place when the
-        # caches are donated. Slots of -1 or past the cache land out of range and are dropped.
+    head_major = cache_layout == "head_major"
+    if head_major or key_cache.shape[2] == 1:
+        # A token's row of each head is one row of a page's tiles (head-major, or one KV head held
+        # as cache_major_to_minor says), which a DMA cannot address in HBM (Mosaic's copies start
+        # on whole tiles): XLA's scatter writes it, in place when the caches are donated. Slots of
+        # -1 or past the cache land out of range and are dropped.
         pages, page_size = cache_dims(key_cache, cache_layout)[:2]
         slot = jnp.where(slot_mapping >= 0, slot_mapping, pages * page_size)
         page, row = slot // page_size, slot % page_size
-        return tuple(cache.at[page, :, row].set(new, mode="drop")
-                     for new, cache in ((key, key_cache), (value, value_cache)))
+        at = (lambda cache: cache.at[page, :, row]) if head_major else (lambda cache: cache.at[page, row])
+        return tuple(at(cache).set(new, mode="drop") for new, cache in ((key, key_cache), (value, value_cache)))
     interpret = default_interpret() if interpret is None else interpret
     padded = round_up(max(t, 1), TOKENS_PER_WRITE_STEP)
     pad = lambda x, fill=0: jnp.pad(x, ((0, padded - t),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)

@@ -403,13 +403,13 @@ def test_head_major_cache_passes_the_tpu_interpreter():
 WRITE_HEADS, WRITE_DIM = 2, 128
 
 
-def _write_inputs(seed, pages, page_size, tokens, cache_dtype):
+def _write_inputs(seed, pages, page_size, tokens, cache_dtype, heads=WRITE_HEADS):
     """Token-major caches, new keys and values (3x the caches' scale), and distinct slots shuffled
     over the pages."""
     rng = np.random.default_rng(seed)
-    cache = lambda: jnp.asarray(rng.standard_normal((pages, page_size, WRITE_HEADS, WRITE_DIM)),
+    cache = lambda: jnp.asarray(rng.standard_normal((pages, page_size, heads, WRITE_DIM)),
                                 jnp.float32).astype(cache_dtype)
-    new = lambda: jnp.asarray(rng.standard_normal((tokens, WRITE_HEADS, WRITE_DIM)) * 3, jnp.float32)
+    new = lambda: jnp.asarray(rng.standard_normal((tokens, heads, WRITE_DIM)) * 3, jnp.float32)
     k_cache, v_cache, key, value = cache(), cache(), new(), new()
     return k_cache, v_cache, key, value, rng.permutation(pages * page_size)[:tokens].astype(np.int32)
 
@@ -461,21 +461,36 @@ def test_cache_write_puts_each_token_at_its_slot(cache_dtype):
             assert bool(jnp.all(jnp.abs(stored - expected) <= relative * jnp.abs(expected) + absolute))
 
 
+def test_one_kv_head_cache_write_puts_each_token_at_its_slot():
+    """One KV head (MQA, written by XLA's scatter: its rows are single rows of a page's tiles as
+    ops.cache_major_to_minor holds it): each token at its slot, -1 and past-the-cache slots
+    skipped, every other slot as it was."""
+    k_cache, v_cache, key, value, slots = _write_inputs(4, 5, 16, 20, jnp.bfloat16, heads=1)
+    slots[[3, 9]] = -1
+    slots[12] = 5 * 16  # past the cache
+    k_new, v_new = ops.reshape_and_cache_flash(key, value, k_cache, v_cache, jnp.asarray(slots))
+    live = slots.copy()
+    live[12] = -1
+    k_want, v_want = reference.reshape_and_cache(key, value, k_cache, v_cache, live, ops.quantize, None, None)
+    for got, want in ((k_new, k_want), (v_new, v_want)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
 def test_cache_write_passes_the_tpu_interpreter():
     """Every copy within bounds, a slot past the cache never written, no race between a
     step's copies."""
     rng = np.random.default_rng(4)
-    k_cache = jnp.zeros((3, 16, 1, 128), jnp.float32)
-    key = jnp.asarray(rng.standard_normal((10, 1, 128)), jnp.float32)
+    k_cache = jnp.zeros((3, 16, 2, 128), jnp.float32)  # 2 KV heads: the write kernel's path (one is XLA's scatter)
+    key = jnp.asarray(rng.standard_normal((10, 2, 128)), jnp.float32)
     slots = jnp.asarray([0, 5, 17, -1, 47, 3 * 16 + 9, 30, 31, 2, 1], jnp.int32)  # 57: past the cache
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
     k_new, _ = ops.reshape_and_cache_flash(key, key, k_cache, k_cache, slots, interpret=params)
     assert tpu_interpreter.races.races_found is False
     pltpu.reset_tpu_interpret_mode_state()
-    flat = np.asarray(k_new).reshape(48, 128)
+    flat = np.asarray(k_new).reshape(48, 2, 128)
     written = {int(s): t for t, s in enumerate(np.asarray(slots)) if 0 <= s < 48}
     for slot in range(48):
-        np.testing.assert_array_equal(flat[slot], np.asarray(key[written[slot], 0]) if slot in written else 0.0)
+        np.testing.assert_array_equal(flat[slot], np.asarray(key[written[slot]]) if slot in written else 0.0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])

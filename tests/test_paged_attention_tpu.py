@@ -79,7 +79,7 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
     # cache (v5e's 16 GB holds no more at head_dim 256). Its size changes no kernel, only the indices.
     page_bytes = page_size * hkv * d * jnp.dtype(cache_dtype).itemsize
     num_pages = min(SERVING["seqs"] * pages_per_seq // 8, POOL_BYTES // page_bytes)
-    cache = (ops.cache_shape(num_pages, page_size, hkv, d, layout), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
+    cache = (ops.cache_shape(num_pages, page_size, hkv, d, layout), cache_dtype, ops.cache_major_to_minor(hkv, layout))
     specs = [((SERVING["tokens"], hq, d), jnp.bfloat16), cache, cache, ((SERVING["seqs"],), jnp.int32),
              ((SERVING["seqs"], pages_per_seq), jnp.int32), ((SERVING["seqs"] + 1,), jnp.int32), ((), jnp.int32),
              ((hq,), jnp.float32)]
@@ -94,8 +94,9 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
 
 
 def assert_no_cache_copy(report, cache):
-    """The kernels read (or write) a cache held in ops.CACHE_MAJOR_TO_MINOR where it is: the
-    program copies no cache-sized array into another layout (head_dim 64's default layout would)."""
+    """The kernels read (or write) a cache held in ops.cache_major_to_minor where it is: the program
+    copies no cache-sized array into another layout (head_dim 64's default layout would, and one KV
+    head's row-major one)."""
     elements = lambda shape: math.prod(int(n) for n in shape[shape.index("[") + 1:-1].split(",") if n)
     copies = {op: s.operand_shapes for op, s in report.other_ops.items() if op.startswith("copy")}
     copied = {op: shapes for op, shapes in copies.items() if any(elements(s) == math.prod(cache[0]) for s in shapes)}
@@ -160,24 +161,28 @@ def test_tuned_entry_compiles_at_serving_limits(generation, key):
     _compile_serving_step(generation, 32, 8, d, page_size, jnp.dtype(dtype), {})
 
 
-@pytest.mark.parametrize("generation,cache_dtype,d,layout", [("v6e", jnp.bfloat16, 128, "token_major"),
-                                                             ("v5e", jnp.float8_e4m3fn, 64, "token_major"),
-                                                             ("tpu7x", jnp.bfloat16, 128, "head_major")])
-def test_cache_write_compiles_in_place(generation, cache_dtype, d, layout):
-    """With the caches donated and kept in ops.CACHE_MAJOR_TO_MINOR (as an engine's step holds
-    them), the write kernel updates them where they are: no copy of a cache in the program."""
+@pytest.mark.parametrize("generation,cache_dtype,d,layout,hkv", [("v6e", jnp.bfloat16, 128, "token_major", 8),
+                                                                 ("v5e", jnp.float8_e4m3fn, 64, "token_major", 8),
+                                                                 ("tpu7x", jnp.bfloat16, 128, "head_major", 8),
+                                                                 ("v5p", jnp.bfloat16, 128, "token_major", 1)])
+def test_cache_write_compiles_in_place(generation, cache_dtype, d, layout, hkv):
+    """With the caches donated and kept in ops.cache_major_to_minor (as an engine's step holds
+    them), the write kernel updates them where they are: no copy of a cache in the program (one
+    KV head too)."""
     scale = None if cache_dtype == jnp.bfloat16 else 0.5
 
     def write(key, value, k_cache, v_cache, slots):
         return ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, scale, scale, cache_layout=layout,
                                            interpret=False)
 
-    cache = (ops.cache_shape(4096, 16, 8, d, layout), cache_dtype, ops.CACHE_MAJOR_TO_MINOR)
-    specs = [((1000, 8, d), jnp.bfloat16), ((1000, 8, d), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
-    # Head-major caches are written by XLA's scatter (a copy cannot start inside a page's tile).
-    writer = "scatter" if layout == "head_major" else "reshape_and_cache"
+    held = ops.cache_major_to_minor(hkv, layout)
+    cache = (ops.cache_shape(4096, 16, hkv, d, layout), cache_dtype, held)
+    specs = [((1000, hkv, d), jnp.bfloat16), ((1000, hkv, d), jnp.bfloat16), cache, cache, ((1000,), jnp.int32)]
+    # Head-major caches, and one KV head's, are written by XLA's scatter (a copy cannot start
+    # inside a page's tile).
+    writer = "scatter" if layout == "head_major" or hkv == 1 else "reshape_and_cache"
     report = tpu_compile.compile_for(write, specs, generation, writer, donate_argnums=(2, 3),
-                                     out_layouts=(ops.CACHE_MAJOR_TO_MINOR,) * 2)
+                                     out_layouts=(held,) * 2)
     ops_compiled = list(report.schedules) + list(report.kernels) + list(report.other_ops)
     assert any(writer in op for op in ops_compiled), ops_compiled
     assert_no_cache_copy(report, cache)
