@@ -22,6 +22,11 @@ k = 0 and beta = 0 add nothing to the state and g = 0 decays nothing.
 Everything is computed in fp32 whatever the input dtype (the reference's precision).
 T = (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N is nilpotent: N^C = 0): log2(C) squarings on
 the MXU rather than C dependent row updates.
+
+The backward walks the same grid with the chunks in reverse, the state's gradient in VMEM
+scratch: each chunk is recomputed from the state that entered it (the forward kernel writes
+those on request) and differentiated by jax.vjp of the one chunk function the forward runs.
+The decode step (`recurrent_forward`) is a kernel of its own, a token per grid step.
 """
 
 from __future__ import annotations
