@@ -116,8 +116,7 @@ def measure(impl: str, case: Case, generation: str) -> dict:
     try:
         # A decode step's states are updated in place, as an engine keeps them (donated).
         donate = dict(donate_argnums=(5,)) if case.phase == "decode" else {}
-        m = harness.measure(IMPLS[impl](case), specs(case), generation, KERNEL_NAME if impl == "ours" else "",
-                            compile_options=donate)
+        m = harness.measure(IMPLS[impl](case), specs(case), generation, KERNEL_NAME, compile_options=donate)
     except Exception as err:  # a failed compile is a row, not the end of the run
         return row | harness.error_row(err)
     chip = GENERATIONS[generation]
