@@ -1,10 +1,9 @@
-"""Plain-JAX ragged paged attention in f32, token by token: what the kernels must match."""
+"""Ragged paged attention in plain numpy (f64, returned as f32), sequence by sequence: what the kernels must match."""
 
 from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,37 +24,38 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     t_total, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    f32 = lambda x, s: x.astype(jnp.float32) * (1.0 if s is None else s)
-    out = np.zeros((t_total, hq, v_cache.shape[3]), np.float32)
+    # numpy in f64 (rounded to f32 at the end): no XLA program per sequence length to compile.
+    f64 = lambda x, s=None: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) * (1.0 if s is None else np.asarray(s, np.float64))
+    queries, k_all, v_all = f64(q), f64(k_cache, k_scale), f64(v_cache, v_scale)
+    sink = None if sinks is None else f64(sinks)[:, None, None]
+    out = np.zeros((t_total, hq, v_cache.shape[3]), np.float64)
     for s in range(num_seqs):
         first, end = int(cu_q[s]), int(cu_q[s + 1])
         if end == first:
             continue
         length = int(kv_lens[s])
         pages = page_indices[s, : -(-length // page_size)]
-        keys = f32(k_cache[pages], k_scale).reshape(-1, hkv, d)[:length]
-        values = f32(v_cache[pages], v_scale).reshape(-1, hkv, v_cache.shape[3])[:length]
-        keys, values = (jnp.repeat(x, hq // hkv, axis=1) for x in (keys, values))
-        scores = jnp.einsum("qhd,khd->hqk", q[first:end].astype(jnp.float32), keys,
-                            precision=jax.lax.Precision.HIGHEST) * scale
+        keys = k_all[pages].reshape(-1, hkv, d)[:length]
+        values = v_all[pages].reshape(-1, hkv, v_cache.shape[3])[:length]
+        keys, values = (np.repeat(x, hq // hkv, axis=1) for x in (keys, values))
+        scores = np.einsum("qhd,khd->hqk", queries[first:end], keys) * scale
         if softcap:
-            scores = softcap * jnp.tanh(scores / softcap)
+            scores = softcap * np.tanh(scores / softcap)
         position = length - (end - first) + np.arange(end - first)[:, None]
         key = np.arange(length)[None, :]
         allowed = key <= position
         if sliding_window:
             allowed &= key > position - sliding_window
-        scores = jnp.where(allowed, scores, -jnp.inf)
-        top = jnp.max(scores, axis=2, keepdims=True)
-        if sinks is not None:
-            top = jnp.maximum(top, sinks.astype(jnp.float32)[:, None, None])
-        weights = jnp.exp(scores - top)
-        total = jnp.sum(weights, axis=2, keepdims=True)
-        if sinks is not None:
-            total = total + jnp.exp(sinks.astype(jnp.float32)[:, None, None] - top)
-        o = jnp.einsum("hqk,khd->qhd", weights / total, values, precision=jax.lax.Precision.HIGHEST)
-        out[first:end] = np.asarray(o)
-    return jnp.asarray(out)
+        scores = np.where(allowed, scores, -np.inf)
+        top = np.max(scores, axis=2, keepdims=True)
+        if sink is not None:
+            top = np.maximum(top, sink)
+        weights = np.exp(scores - top)
+        total = np.sum(weights, axis=2, keepdims=True)
+        if sink is not None:
+            total = total + np.exp(sink - top)
+        out[first:end] = np.einsum("hqk,khd->qhd", weights / total, values)
+    return jnp.asarray(out.astype(np.float32))
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, quantize, k_scale=None, v_scale=None):
