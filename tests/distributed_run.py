@@ -1,9 +1,10 @@
-"""Run in a fresh process by test_multichip.py: a tiny seed model (kernels/seed_models.py) with our
+"""Run in a fresh process by test_multichip.py: tiny seed models (kernels/seed_models.py) with our
 experts forward and flash attention, both loaded with get_kernel from the built trees, under
-transformers' tensor- and expert-parallel plans for its family, in 2 processes over gloo (CPU),
-against the single-process eager logits. Prints one JSON line per plan.
+transformers' tensor- and expert-parallel plans for each family, in 2 processes over gloo (CPU),
+against the single-process eager logits. One pair of worker processes runs every (seed, plan) in
+turn (their imports dominate a tiny model's run). Prints one JSON line per seed and plan.
 
-usage: distributed_run.py SEED WORKDIR
+usage: distributed_run.py WORKDIR SEED...
 """
 
 import json
@@ -69,7 +70,8 @@ def load_kernels(calls: list):
         *GptOssPreTrainedModel._compatible_flash_implementations, ATTENTION]
 
 
-def worker(rank, seed, plan, checkpoint, port, ids, result_path):
+def worker(rank, jobs, port, result_dir):
+    """jobs: (seed, plan, checkpoint, ids) to run in turn; rank 0 saves each one's logits and calls."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -80,13 +82,16 @@ def worker(rank, seed, plan, checkpoint, port, ids, result_path):
 
         calls = []
         load_kernels(calls)
-        model = AutoModelForCausalLM.from_pretrained(
-            checkpoint, distributed_config=DistributedConfig(**PLANS[plan]), dtype=torch.float32,
-            attn_implementation=ATTENTION, experts_implementation=EXPERTS).eval()
-        with torch.no_grad():
-            logits = model(ids).logits
-        if rank == 0:
-            torch.save({"logits": logits, "calls": calls, "attention": model.config._attn_implementation}, result_path)
+        for index, (seed, plan, checkpoint, ids) in enumerate(jobs):
+            calls.clear()
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, distributed_config=DistributedConfig(**PLANS[plan]), dtype=torch.float32,
+                attn_implementation=ATTENTION, experts_implementation=EXPERTS).eval()
+            with torch.no_grad():
+                logits = model(ids).logits
+            if rank == 0:
+                torch.save({"logits": logits, "calls": list(calls), "attention": model.config._attn_implementation},
+                           os.path.join(result_dir, f"{index}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -97,32 +102,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(seed: str, workdir: str) -> None:
+def main(workdir: str, seeds: list[str]) -> None:
     # The built trees as a Hub cache; the workers inherit the environment and load from it.
     trees = build_collection.build_all(Path(workdir, "build"), ["ragged_dot", "flash_attention"])
     os.environ["KERNELS_CACHE"] = str(Path(workdir, "hub"))
     build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    config = seed_models.config(seed)
-    eager = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                             experts_implementation="eager").eval()
-    checkpoint = os.path.join(workdir, "checkpoint")
-    eager.save_pretrained(checkpoint)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = eager(ids).logits
-    layers = sum(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in eager.modules())
-    for plan in plans(seed):
-        result_path = os.path.join(workdir, "result.pt")
-        mp.spawn(worker, args=(seed, plan, checkpoint, free_port(), ids, result_path), nprocs=2, join=True)
-        got = torch.load(result_path)
-        print(json.dumps({"plan": plan, "max_abs_error": (got["logits"] - want).abs().max().item(),
-                          "scale": want.abs().max().item(), "attention": got["attention"], "calls": len(got["calls"]), "layers": layers,
-                          "experts": getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0),
+    jobs, expected = [], []
+    for seed in seeds:
+        torch.manual_seed(0)
+        config = seed_models.config(seed)
+        eager = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+        checkpoint = os.path.join(workdir, seed)
+        eager.save_pretrained(checkpoint)
+        ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = eager(ids).logits
+        layers = sum(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in eager.modules())
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+        for plan in plans(seed):
+            jobs.append((seed, plan, checkpoint, ids))
+            expected.append((want, layers, experts))
+    result_dir = os.path.join(workdir, "results")
+    os.makedirs(result_dir, exist_ok=True)
+    mp.spawn(worker, args=(jobs, free_port(), result_dir), nprocs=2, join=True)
+    for index, ((seed, plan, _, _), (want, layers, experts)) in enumerate(zip(jobs, expected)):
+        got = torch.load(os.path.join(result_dir, f"{index}.pt"))
+        print(json.dumps({"seed": seed, "plan": plan, "max_abs_error": (got["logits"] - want).abs().max().item(),
+                          "scale": want.abs().max().item(), "attention": got["attention"], "calls": len(got["calls"]),
+                          "layers": layers, "experts": experts,
                           "local_experts": sorted({shape[0] for shape in got["calls"]})}), flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(sys.argv[1], sys.argv[2:])
