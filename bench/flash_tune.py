@@ -4,7 +4,7 @@ Resumable: it skips the entries bench/results/flash_tuning_<generation>.json
 already holds (`--redo` rates them again). Each entry compiles up to 6
 fwd+bwd programs: about 10 to 20 minutes on 2 cores.
 
-For each generation, head_dim (64, 128, 256), GQA ratio (1, 4, 8) and
+For each generation, head_dim (64, 128, 256, 512), GQA ratio (1, 4, 8) and
 sequence length (2k, 8k, 32k) it rates a few block shapes with the bench's
 model (flash_bench.measure: each candidate compiled by libtpu for that
 generation, its own schedule, the grid walk of one causal sequence) on a
@@ -17,9 +17,9 @@ tpu7x it moved the forward by -10% to +11% (MODELED), so each entry
 chooses. `--scheduler` rates it alone on the entries the results already
 hold.
 
-head_dim 128 is rated over every candidate at 2k and 32k; head_dim 64 and 256 over the
+head_dim 128 is rated over every candidate at 2k and 32k; head_dim 64, 256 and 512 over the
 `FOLLOW` best of head_dim 128's ranking at the same G and length (all of them
-if none of those compiles): on v6e, where every head_dim was rated in full at
+if none of those compiles, as at 512 where they mostly run out of VMEM): on v6e, where every head_dim was rated in full at
 2k and 8k, head_dim 128's best was the best at 64 and 256 in all 12 pairs. It
 saves about half of a generation's compiles. Likewise head_dim 128 at 8k rates
 the FOLLOW best of its 2k entry (`reference_key`): in all 13 entries rated in

@@ -19,6 +19,7 @@ from flash_attention.kernel import BlockSizes
     ((5000, 192, 128, 6), (256, 8, 8192)),  # tokens to the nearest by ratio; value head_dim counts too
     ((100_000, 64, 64, 1), (64, 1, 32768)),
     ((1, 256, 256, 16), (256, 8, 2048)),
+    ((8192, 512, 512, 8), (512, 8, 8192)),
 ])
 def test_table_key_buckets_a_call(call, key):
     assert tuning.table_key(*call) == key
@@ -37,6 +38,24 @@ def test_tuned_entry_serves_bf16_calls_of_its_bucket_only(monkeypatch):
         assert blocks.lp_kernels == (), call  # the scheduler choice comes with the entry only
         if "window" not in call:
             assert (blocks.block_q * 4, blocks.block_k) == rule
+
+
+def test_a_wider_head_than_the_table_holds_takes_the_narrower_entry_cut(monkeypatch):
+    """Gemma 4's 512: its own entry where the table holds one at the call's G and length, else the
+    widest narrower head_dim's, its rows and keys cut by the ratio of head dims (the VMEM they were
+    rated at); the rule (rated up to RULE_HEAD_DIM) likewise."""
+    d256, d512 = (2048, 1024, ("fwd",)), (2048, 512)
+    monkeypatch.setattr(tuning, "TUNED", {"v6e": {(256, 8, 8192): d256, (512, 8, 8192): d512}})
+    blocks = lambda groups, head_dim=512, generation="v6e": tuning.choose_blocks(
+        8192, 8192, head_dim, head_dim, groups, 2, generation)
+    own = blocks(8)
+    assert (own.block_q * 8, own.block_k, own.lp_kernels) == (2048, 512, ())
+    monkeypatch.setattr(tuning, "TUNED", {"v6e": {(256, 8, 8192): d256}})
+    cut = blocks(8)
+    assert (cut.block_q * 8, cut.block_k, cut.lp_kernels) == (1024, 512, ("fwd",))
+    assert (blocks(8, head_dim=256).block_q * 8, blocks(8, head_dim=256).block_k) == (2048, 1024)
+    rule = blocks(8, generation="v5e")
+    assert (rule.block_q * 8, rule.block_k) == (tuning.GQA_BLOCK[0] // 2, tuning.GQA_BLOCK[1] // 2)
 
 
 def _row(impl, us, model="Qwen3-32B", tokens=8192, **extra):
