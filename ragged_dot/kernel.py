@@ -109,10 +109,11 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
 def _kernel(
     row_start, row_end, visit_group, visit_tile, weight_group, num_visits, fill_nan,
     lhs_ref, rhs_ref, *refs,
-    num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool,
+    num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool, has_scale: bool,
 ):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
+    scale_ref = refs.pop(0) if has_scale else None
     out_ref, acc_ref = refs[0], (refs[1] if len(refs) > 1 else None)
     v, k = pl.program_id(1), pl.program_id(2)
     k_steps = pl.num_programs(2)
@@ -123,6 +124,9 @@ def _kernel(
 
     def product(last: bool):
         lhs, rhs = lhs_ref[...], rhs_ref[...]
+        # Quantized weights (int8, fp8) widen to lhs's dtype in VMEM, exactly: the MXU takes them as
+        # bf16; their per-output-channel scale multiplies the fp32 product at the store.
+        rhs = rhs.astype(lhs.dtype)
         if last and k_size % block_k:  # the last K block runs past K: zero the overhang in both
             valid = k_size % block_k
             lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
@@ -136,6 +140,8 @@ def _kernel(
         # keep them. Rows after its last belong to later visits, which write
         # them; so do the first visit's rows of other groups.
         rows = visit_tile[v] * block_m + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+        if scale_ref is not None:
+            value = value * scale_ref[...]
         if bias_ref is not None:
             value = value + bias_ref[...].astype(jnp.float32)
         out_ref[...] = jnp.where(rows >= row_start[group], value.astype(out_ref.dtype), out_ref[...])
@@ -178,10 +184,13 @@ def grouped_matmul(
     interpret,
     bias: jax.Array | None = None,
     fill_nan: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The pallas_call. lhs rows must already be a multiple of block_m; K
     and N blocks need not divide K and N (edge blocks are masked or clipped).
     bias: [G, N] or None, added to each group's rows in the store's epilogue.
+    rhs_scale: float32 [G, N] or None: rhs (int8 or fp8) times this per output
+    channel is the weight; the product is scaled in the store's epilogue.
     fill_nan: a bool scalar on the device, or None (False): the rows past the
     groups are NaN instead of zero (how callers report invalid group sizes
     without a pass over any array: they pass all sizes zero).
@@ -216,28 +225,28 @@ def grouped_matmul(
     def out_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
         return visit_tile[v], nn
 
-    def bias_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
+    def per_channel_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
         return weight_group[v], 0, nn
 
     rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
     in_specs = [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
     operands = [lhs, rhs]
-    if bias is not None:  # [G, 1, N]: a (1, bn) block per step, its group's
-        in_specs.append(pl.BlockSpec((None, 1, bn), bias_map))
-        operands.append(bias.reshape(num_groups, 1, n))
+    for per_channel in (bias, rhs_scale):  # [G, 1, N]: a (1, bn) block per step, its group's
+        if per_channel is not None:
+            in_specs.append(pl.BlockSpec((None, 1, bn), per_channel_map))
+            operands.append(per_channel.reshape(num_groups, 1, n))
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
-    itemsize = jnp.dtype(lhs.dtype).itemsize
     flops = 2 * m * k * n  # upper bound: every row once
     cost = pl.CostEstimate(
         flops=flops,
         transcendentals=0,
-        bytes_accessed=(m * k + num_groups * k * n) * itemsize
+        bytes_accessed=m * k * lhs.dtype.itemsize + num_groups * k * n * rhs.dtype.itemsize
         + m * n * jnp.dtype(out_dtype).itemsize,
     )
     return pl.pallas_call(
         functools.partial(
             _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k,
-            has_bias=bias is not None,
+            has_bias=bias is not None, has_scale=rhs_scale is not None,
         ),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -25,7 +25,7 @@ def _resolve(generation, interpret):
     return generation, interpret
 
 
-def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None, fill_nan=None):
+def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None, fill_nan=None, rhs_scale=None):
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -38,37 +38,46 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     out = grouped_matmul(
         lhs_padded, rhs, group_sizes.astype(jnp.int32), blocks=blocks, transpose_rhs=transpose_rhs,
         out_dtype=lhs.dtype, vmem_limit=vmem_limit(forward_buffers(blocks, itemsize), generation), interpret=interpret,
-        bias=bias, fill_nan=fill_nan,
+        bias=bias, fill_nan=fill_nan, rhs_scale=rhs_scale,
     )
     return out[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, transpose_rhs, generation, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs, generation, interpret):
     """bias: [G, N] added to each group's rows inside the kernel, or None.
-    fill_nan: a bool scalar, or None: rows past the groups are NaN, not zero."""
-    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan)
+    fill_nan: a bool scalar, or None: rows past the groups are NaN, not zero.
+    rhs_scale: [G, N] float32 per-output-channel scales of a quantized rhs, or None."""
+    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale)
 
 
-def _ragged_dot_fwd(lhs, rhs, group_sizes, bias, fill_nan, transpose_rhs, generation, interpret):
-    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan)
-    return out, (lhs, rhs, group_sizes, bias)
+def _ragged_dot_fwd(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs, generation, interpret):
+    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale)
+    return out, (lhs, rhs, group_sizes, bias, rhs_scale)
 
 
 def _ragged_dot_bwd(transpose_rhs, generation, interpret, residuals, grad_out):
-    lhs, rhs, group_sizes, bias = residuals
-    grad_bias = None
-    if bias is not None:  # d bias[g] = the sum of grad_out over g's rows (rows past the groups: segment G, dropped)
+    lhs, rhs, group_sizes, bias, rhs_scale = residuals
+    grad_bias, segment = None, None
+    if bias is not None or rhs_scale is not None:  # each row's group (rows past the groups: segment G)
         segment = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(lhs.shape[0]), side="right")
+    if bias is not None:  # d bias[g] = the sum of grad_out over g's rows (segment G dropped)
         grad_bias = jax.ops.segment_sum(grad_out.astype(jnp.float32), segment, num_segments=bias.shape[0] + 1)
         grad_bias = grad_bias[:-1].astype(bias.dtype)
+    if rhs_scale is not None:
+        # The weight is rhs * scale per output channel: d lhs = (grad_out * scale[row's group]) @ rhs^T.
+        # A quantized, frozen weight gets no gradient (adapters train around it).
+        scales = jnp.concatenate([rhs_scale, jnp.zeros((1, rhs_scale.shape[1]), rhs_scale.dtype)])[segment]
+        grad_lhs = _forward((grad_out.astype(jnp.float32) * scales).astype(lhs.dtype), rhs, group_sizes,
+                            not transpose_rhs, generation, interpret)
+        return grad_lhs, None, None, grad_bias, None, None
     grad_out = grad_out.astype(lhs.dtype)
     # d lhs[rows of g] = grad_out[rows] @ rhs[g]^T: the same kernel, layout flipped.
     grad_lhs = _forward(grad_out, rhs, group_sizes, not transpose_rhs, generation, interpret)
     # d rhs[g] = lhs[rows of g]^T @ grad_out[rows] (or its transpose).
     a, b = (grad_out, lhs) if transpose_rhs else (lhs, grad_out)
     grad_rhs = _weight_grad(a, b, group_sizes, rhs.dtype, generation, interpret)
-    return grad_lhs, grad_rhs, None, grad_bias, None
+    return grad_lhs, grad_rhs, None, grad_bias, None, None
 
 
 def _weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
@@ -178,13 +187,18 @@ def as_stored(rhs, transpose_rhs: bool, order=None):
     return rhs, transpose_rhs
 
 
-def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, interpret=None):
+def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, generation=None, interpret=None):
     """Grouped matmul with `jax.lax.ragged_dot` semantics.
 
     Args:
-      lhs: [M, K], rows sorted by group.
-      rhs: [G, K, N], or [G, N, K] with transpose_rhs (transformers' layout).
+      lhs: [M, K], rows sorted by group (bf16 or fp32).
+      rhs: [G, K, N], or [G, N, K] with transpose_rhs (transformers' layout): lhs's dtype, or
+        quantized (int8, float8_e4m3fn) with rhs_scale.
       group_sizes: int32 [G], rows per group, summing to at most M.
+      rhs_scale: float32 [G, N]: the weight is rhs times this per output channel (int8 or fp8
+        weights with per-channel scales, as quantized checkpoints hold them). The kernel reads rhs
+        as stored (a byte per weight) and scales the fp32 product; lhs's gradient flows, rhs gets
+        none (a frozen quantized weight).
       generation: TPU generation whose block table to use ("v5e", "v5p",
         "v6e", "tpu7x"); default: the current device's.
       interpret: False compiles for the TPU; True or a
@@ -196,13 +210,34 @@ def ragged_dot(lhs, rhs, group_sizes, *, transpose_rhs=False, generation=None, i
     round trip to the host, and no kernel reads outside its inputs.
     """
     check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
+    check_rhs_scale(lhs.dtype, rhs, rhs_scale, transpose_rhs)
     generation, interpret = _resolve(generation, interpret)
     sizes, valid = walkable_group_sizes(group_sizes.astype(jnp.int32), lhs.shape[0])
     # The report is the kernel's own fill: a select over the output after the kernel changes how
     # libtpu compiles the kernel itself (in the bench its 4 predicated regions became 1), and one
     # over lhs before it is a pass over lhs (at prefill, 15% of the kernel's modeled time).
     rhs, transpose_rhs = as_stored(rhs, transpose_rhs)
-    return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), transpose_rhs, generation, interpret)
+    return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), rhs_scale, transpose_rhs, generation, interpret)
+
+
+QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with per-channel scales
+
+
+def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs) -> None:
+    """A quantized rhs needs its scales, [G, N] float32; other weights are lhs's dtype."""
+    quantized = any(rhs.dtype == d for d in QUANTIZED)
+    if rhs_scale is None:
+        if quantized:
+            raise ValueError(f"rhs is {rhs.dtype}: rhs_scale (float32 [G, N], its per-output-channel scales) is required")
+        return
+    want = (rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])
+    if not quantized:
+        raise ValueError(f"rhs_scale is for int8 or float8_e4m3fn weights, rhs is {rhs.dtype}")
+    if tuple(rhs_scale.shape) != want or rhs_scale.dtype != jnp.float32:
+        raise ValueError(f"rhs_scale must be float32 {want} (per group and output channel), "
+                         f"got {rhs_scale.dtype} {tuple(rhs_scale.shape)}")
+    if lhs_dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"lhs must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
 
 
 def route(top_k_index, num_experts):
@@ -281,7 +316,8 @@ def experts_forward(
         # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
         # are in no group and stay exactly zero.
         weights, transpose_rhs = as_stored(weights, not transposed)
-        return _ragged_dot(inputs, weights, group_sizes, bias, None, transpose_rhs, generation, interpret).astype(jnp.float32)
+        return _ragged_dot(inputs, weights, group_sizes, bias, None, None, transpose_rhs, generation,
+                           interpret).astype(jnp.float32)
 
     h = project(x, up_proj, up_bias)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
