@@ -223,21 +223,24 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
 QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with per-channel scales
 
 
-def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs) -> None:
-    """A quantized rhs needs its scales, [G, N] float32; other weights are lhs's dtype."""
+def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs", "rhs_scale")) -> None:
+    """A quantized rhs needs its scales, [G, N] float32; other weights are lhs's dtype. names: the
+    three arguments as the caller passed them."""
+    lhs_name, rhs_name, scale_name = names
     quantized = any(rhs.dtype == d for d in QUANTIZED)
     if rhs_scale is None:
         if quantized:
-            raise ValueError(f"rhs is {rhs.dtype}: rhs_scale (float32 [G, N], its per-output-channel scales) is required")
+            raise ValueError(f"{rhs_name} is {rhs.dtype}: {scale_name} (float32 [G, N], its per-output-channel "
+                             "scales) is required")
         return
     want = (rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])
     if not quantized:
-        raise ValueError(f"rhs_scale is for int8 or float8_e4m3fn weights, rhs is {rhs.dtype}")
+        raise ValueError(f"{scale_name} is for int8 or float8_e4m3fn weights, {rhs_name} is {rhs.dtype}")
     if tuple(rhs_scale.shape) != want or rhs_scale.dtype != jnp.float32:
-        raise ValueError(f"rhs_scale must be float32 {want} (per group and output channel), "
+        raise ValueError(f"{scale_name} must be float32 {want} (per group and output channel), "
                          f"got {rhs_scale.dtype} {tuple(rhs_scale.shape)}")
     if lhs_dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"lhs must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
+        raise ValueError(f"{lhs_name} must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
 
 
 def route(top_k_index, num_experts):
@@ -280,7 +283,7 @@ def apply_gate(h, *, activation, gated, interleaved, alpha, limit):
 def experts_forward(
     hidden_states, top_k_index, top_k_weights, up_proj, down_proj, up_bias=None, down_bias=None,
     *, activation="silu", gated=True, interleaved=False, transposed=False, alpha=0.0, limit=0.0,
-    generation=None, interpret=None,
+    up_scale=None, down_scale=None, generation=None, interpret=None,
 ):
     """Transformers' experts forward as two grouped matmuls, for every layout
     transformers uses.
@@ -291,7 +294,9 @@ def experts_forward(
     when gated, else up_proj [E, I, H]; down_proj [E, H, I]; with
     `transposed` they are [E, H, U] and [E, I, H]. Biases [E, U] and [E, H]
     (None or empty: no bias). activation: a key of ACTIVATIONS, or
-    CLAMPED_SWIGLU with alpha and limit. Returns [T, H]. An id outside
+    CLAMPED_SWIGLU with alpha and limit. up_scale [E, U] and down_scale
+    [E, H]: float32 per-output-channel scales of int8 or float8_e4m3fn
+    weights (see `ragged_dot`). Returns [T, H]. An id outside
     [0, E] makes the whole output NaN: checked on the device, with no round
     trip to the host (such rows are never multiplied: routing cannot place
     a row outside the groups).
@@ -301,6 +306,10 @@ def experts_forward(
     check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up_proj.shape,
                          down_proj.shape, (0,) if up_bias is None else up_bias.shape,
                          (0,) if down_bias is None else down_bias.shape, gated=gated, transposed=transposed)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    for weights, scale, names in ((up_proj, up_scale, ("hidden_states", up_name, "up_scale")),
+                                  (down_proj, down_scale, ("hidden_states", "down_proj", "down_scale"))):
+        check_rhs_scale(hidden_states.dtype, weights, scale, not transposed, names)
     if activation != CLAMPED_SWIGLU and activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)} and {CLAMPED_SWIGLU!r}")
     generation, interpret = _resolve(generation, interpret)
@@ -312,20 +321,20 @@ def experts_forward(
     routed_here = expert_of_row < num_experts
     x = hidden_states[order // top_k]
 
-    def project(inputs, weights, bias):
+    def project(inputs, weights, bias, scale):
         # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
         # are in no group and stay exactly zero.
         weights, transpose_rhs = as_stored(weights, not transposed)
-        return _ragged_dot(inputs, weights, group_sizes, bias, None, None, transpose_rhs, generation,
+        return _ragged_dot(inputs, weights, group_sizes, bias, None, scale, transpose_rhs, generation,
                            interpret).astype(jnp.float32)
 
-    h = project(x, up_proj, up_bias)
+    h = project(x, up_proj, up_bias, up_scale)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
     weight = jnp.where(routed_here, top_k_weights.reshape(-1)[order].astype(jnp.float32), 0)
-    if down_held_experts_minor(down_proj, num_tokens, generation):
+    if down_scale is None and down_held_experts_minor(down_proj, num_tokens, generation):
         out = _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, hidden_states.dtype)
     else:
-        y = project(act.astype(hidden_states.dtype), down_proj, down_bias)
+        y = project(act.astype(hidden_states.dtype), down_proj, down_bias, down_scale)
         weighted = y * weight[:, None]
         unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
         out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)

@@ -108,3 +108,42 @@ def test_decode_compiles_for_v6e_reading_a_byte_per_weight():
     operands = [s for kernel in report.kernels.values() if kernel.schedule for s in kernel.schedule.operand_shapes]
     assert "s8[128,1536,2048]" in operands, operands
     assert not any("bf16[128,1536,2048]" in s for op in report.other_ops.values() for s in op.operand_shapes)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["transformers", "gpt_oss_layout"])
+def test_experts_forward_matches_the_dequantized_experts(transposed):
+    """Both projections int8 (per-expert, per-channel scales, distinct per projection) against the
+    same forward on the dequantized fp32 weights, with biases; hidden_states' gradient too (the
+    weights' path is tested against transformers' experts in test_ragged_dot_numerics)."""
+    rng = np.random.default_rng(4)
+    tokens, hidden, inter, experts, top_k = 6, 96, 40, 4, 2
+    up_shape, down_shape = ((experts, hidden, 2 * inter), (experts, inter, hidden)) if transposed else \
+        ((experts, 2 * inter, hidden), (experts, hidden, inter))
+    quantize = lambda shape: jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+    up, down = quantize(up_shape), quantize(down_shape)
+    up_scale = jnp.asarray(rng.uniform(0.001, 0.01, (experts, 2 * inter)), jnp.float32)
+    down_scale = jnp.asarray(rng.uniform(0.001, 0.01, (experts, hidden)), jnp.float32)
+    channel_axis = 2 if transposed else 1  # where a weight's output channels are
+    dequantize = lambda w, s: w.astype(jnp.float32) * jnp.expand_dims(s, 3 - channel_axis)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    index = jnp.asarray(np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k], jnp.int32)
+    weights = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+    up_bias = jnp.asarray(rng.standard_normal((experts, 2 * inter)), jnp.float32)
+    down_bias = jnp.asarray(rng.standard_normal((experts, hidden)), jnp.float32)
+
+    def quantized(x):
+        return ops.experts_forward(x, index, weights, up, down, up_bias, down_bias, transposed=transposed,
+                                   up_scale=up_scale, down_scale=down_scale)
+
+    def dequantized(x):
+        return ops.experts_forward(x, index, weights, dequantize(up, up_scale), dequantize(down, down_scale),
+                                   up_bias, down_bias, transposed=transposed)
+
+    got, want = quantized(x), dequantized(x)
+    assert jnp.max(jnp.abs(got - want)) <= 1e-5 * jnp.max(jnp.abs(want))
+    cotangent = jnp.asarray(rng.standard_normal(got.shape), jnp.float32)
+    grads = [jax.grad(lambda x: jnp.sum(f(x) * cotangent))(x) for f in (quantized, dequantized)]
+    assert jnp.max(jnp.abs(grads[0] - grads[1])) <= 1e-5 * jnp.max(jnp.abs(grads[1]))
+    with pytest.raises(ValueError, match="down_scale must be float32"):
+        ops.experts_forward(x, index, weights, up, down, transposed=transposed, up_scale=up_scale,
+                            down_scale=up_scale)
