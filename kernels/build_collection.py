@@ -130,10 +130,20 @@ def build_kernel(kernel: dict, out_root: Path) -> Path:
         (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     (tree / "build.toml").write_text(_hub_build_toml(kernel))
     card = (REPO_ROOT / kernel["folder"] / "CARD.md").read_text()
-    (tree / "README.md").write_text(
-        card.format(repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"])
-    )
+    (tree / "README.md").write_text(front_matter(kernel) + card.format(
+        repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"]))
     return tree
+
+
+def front_matter(kernel: dict) -> str:
+    """The card's Hub metadata, from the manifest: license, tags, the TPU generations every kernel
+    is tuned and compiled for, and the dtypes its tests cover."""
+    from runtime.generations import GENERATIONS
+
+    tags = ["kernel", "tpu", "pallas", *kernel["tags"]]
+    lines = ["---", f"license: {kernel['license']}", "tags:", *(f"  - {t}" for t in tags),
+             f"tpu_generations: [{', '.join(GENERATIONS)}]", f"dtypes: [{', '.join(kernel['dtypes'])}]", "---", ""]
+    return "\n".join(lines) + "\n"
 
 
 def build_all(out_root: Path = REPO_ROOT / "build", only: list[str] | None = None) -> dict[str, Path]:

@@ -43,6 +43,11 @@ def test_tree_layout_and_metadata(built, key):
     assert "torch-noarch" in hub_toml
     card = (tree / "README.md").read_text()
     assert kernel["repo-id"] in card and "{" + "repo_id}" not in card
+    # Hub metadata from the manifest: license, tags, generations, dtypes.
+    meta = card.split("---\n")[1]
+    assert card.startswith("---\n") and f"license: {kernel['license']}\n" in meta
+    assert all(f"  - {tag}\n" in meta for tag in ["kernel", "tpu", "pallas", *kernel["tags"]])
+    assert "tpu_generations: [v5e, v5p, v6e, tpu7x]\n" in meta and f"dtypes: [{', '.join(kernel['dtypes'])}]" in meta
     for variant in build_collection.VARIANTS:
         meta = json.loads((tree / "build" / variant / "metadata.json").read_text())
         assert meta["name"] == kernel["repo"] and meta["python-depends"] == []
