@@ -63,13 +63,13 @@ def recording_calls():
     lhs shape, rhs shape, transpose_rhs) or ("weight_grad", a shape, b shape)."""
     calls, forward, weight_grad = [], ops._forward, ops._weight_grad
 
-    def record_forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None, fill_nan=None):
+    def record_forward(lhs, rhs, group_sizes, transpose_rhs, *args, **kwargs):
         calls.append(("forward", lhs.shape, rhs.shape, transpose_rhs))
-        return forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan)
+        return forward(lhs, rhs, group_sizes, transpose_rhs, *args, **kwargs)
 
-    def record_weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
+    def record_weight_grad(a, b, *args, **kwargs):
         calls.append(("weight_grad", a.shape, b.shape, None))
-        return weight_grad(a, b, group_sizes, out_dtype, generation, interpret)
+        return weight_grad(a, b, *args, **kwargs)
 
     ops._forward, ops._weight_grad = record_forward, record_weight_grad
     try:
@@ -101,33 +101,18 @@ def grouped_matmuls(shape: bench.MoeShape, tokens: int, generation: str, trainin
     return list(dict.fromkeys(calls))
 
 
-def call_fn(call, groups, generation, dtype=jnp.bfloat16):
-    """(fn(a, b, group_sizes), table, key) of one recorded call."""
+def call_fn(call, groups, generation, dtype=jnp.bfloat16, blocks=None):
+    """(fn(a, b, group_sizes), table, key) of one recorded call: fn runs its kernel with `blocks`
+    (None: the entry the table holds for `key`)."""
     kind, a_shape, b_shape, transpose_rhs = call
     itemsize = jnp.dtype(dtype).itemsize
     if kind == "forward":
         n = b_shape[1] if transpose_rhs else b_shape[2]
-        fn = lambda a, b, g: ops._forward(a, b, g, transpose_rhs, generation, False)
+        fn = lambda a, b, g: ops._forward(a, b, g, transpose_rhs, generation, False, blocks=blocks)
         return fn, tuning.TUNED, (*a_shape, n, groups, itemsize)
     # [rows, P], [rows, Q] -> [G, P, Q]
-    fn = lambda a, b, g: ops._weight_grad(a, b, g, dtype, generation, False)
+    fn = lambda a, b, g: ops._weight_grad(a, b, g, dtype, generation, False, blocks=blocks)
     return fn, tuning.TUNED_WEIGHT_GRAD, (*a_shape, b_shape[1], groups, itemsize)
-
-
-@contextlib.contextmanager
-def table_entry(table, generation: str, key, blocks):
-    """The tuning table holds `blocks` for `key` while the block runs: what the
-    kernels look up when traced inside it. Then the entry it held, if any, is back."""
-    missing = object()
-    held = table[generation].get(key, missing)
-    table[generation][key] = blocks
-    try:
-        yield
-    finally:
-        if held is missing:
-            del table[generation][key]
-        else:
-            table[generation][key] = held
 
 
 def fresh(fn):
@@ -203,11 +188,10 @@ def sample_schedules(generation: str, cache: dict) -> list:
     """[(kind, blocks, (itemsize, transpose_rhs), (K, N), schedule)] of the fit sample, compiled on a cache miss."""
     points = []
     for call, blocks, dtype in fit_sample(generation):
-        fn, table, key = call_fn(call, FIT_GROUPS, generation, dtype)
+        fn = call_fn(call, FIT_GROUPS, generation, dtype, blocks)[0]
         args = (jax.ShapeDtypeStruct(call[1], dtype), jax.ShapeDtypeStruct(call[2], dtype),
                 jax.ShapeDtypeStruct((FIT_GROUPS,), jnp.int32))
-        with table_entry(table, generation, key, blocks):
-            schedule, _ = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
+        schedule, _ = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
         if schedule is not None:
             points.append((call[0], blocks, (jnp.dtype(dtype).itemsize, bool(call[3])), (call[1][1], call[2][1]), schedule))
     return points
@@ -331,7 +315,7 @@ def fit(generation: str) -> dict:
 def tune_call(shape, tokens, call, generation, cache=None):
     """Rates the cost model's best candidates with the schedule model,
     compiles the winner at the entry's shapes; returns the record."""
-    fn, table, key = call_fn(call, shape.experts, generation)
+    _, _, key = call_fn(call, shape.experts, generation)
     kind, a_shape, b_shape, _ = call
     rows, k, n, groups, itemsize = key
     buffers = tuning.BUFFERS[kind]
@@ -349,10 +333,10 @@ def tune_call(shape, tokens, call, generation, cache=None):
                   generation=generation, revision=KERNEL_REVISION[kind], candidates=[])
     rated = []
     for blocks in candidates:
+        fn = call_fn(call, shape.experts, generation, blocks=blocks)[0]
         try:
-            with table_entry(table, generation, key, blocks):
-                (cost,), copies = harness.walk(fresh(fn), args, generation)
-                schedule, vmem_used = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
+            (cost,), copies = harness.walk(fresh(fn), args, generation)
+            schedule, vmem_used = cached_schedule(cache, fresh(fn), args, call, blocks, generation)
         except Exception as err:  # noqa: BLE001
             if HBM_OOM in str(err):
                 record.update(too_big_for_hbm=str(err).splitlines()[0][:200])
@@ -374,8 +358,8 @@ def tune_call(shape, tokens, call, generation, cache=None):
     rule_us = next((c.get("modeled_us") for c in record["candidates"] if c["blocks"] == list(rule.__dict__.values())), None)
     for us, need, blocks in sorted(rated, key=lambda w: (w[0], w[1])):
         try:  # at the entry's own shapes: proves it fits this entry's HBM and VMEM
-            with table_entry(table, generation, key, blocks):
-                report = harness.compile(fresh(fn), args, generation, "ragged_dot_tpu")
+            report = harness.compile(fresh(call_fn(call, shape.experts, generation, blocks=blocks)[0]), args,
+                                     generation, "ragged_dot_tpu")
         except Exception as err:  # noqa: BLE001
             error = str(err).splitlines()[0][:200]
             if HBM_OOM in error:

@@ -25,14 +25,16 @@ def _resolve(generation, interpret):
     return generation, interpret
 
 
-def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None, fill_nan=None, rhs_scale=None):
+def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=None, fill_nan=None, rhs_scale=None,
+             blocks=None):
+    """blocks: the kernel's BlockSizes, or None: the generation's table (else its rule)."""
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
     itemsize = jnp.dtype(lhs.dtype).itemsize
-    blocks = choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs)
+    blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs)
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
     out = grouped_matmul(
@@ -43,20 +45,22 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     return out[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs, generation, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs, generation, interpret, blocks=None):
     """bias: [G, N] added to each group's rows inside the kernel, or None.
     fill_nan: a bool scalar, or None: rows past the groups are NaN, not zero.
-    rhs_scale: [G, N] float32 per-output-channel scales of a quantized rhs, or None."""
-    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale)
+    rhs_scale: [G, N] float32 per-output-channel scales of a quantized rhs, or None.
+    blocks: the forward kernel's BlockSizes, or None (the table's); the gradients take the table's."""
+    return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale, blocks)
 
 
-def _ragged_dot_fwd(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs, generation, interpret):
-    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale)
+def _ragged_dot_fwd(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs, generation, interpret,
+                    blocks=None):
+    out = _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale, blocks)
     return out, (lhs, rhs, group_sizes, bias, rhs_scale)
 
 
-def _ragged_dot_bwd(transpose_rhs, generation, interpret, residuals, grad_out):
+def _ragged_dot_bwd(transpose_rhs, generation, interpret, blocks, residuals, grad_out):
     lhs, rhs, group_sizes, bias, rhs_scale = residuals
     grad_bias, segment = None, None
     if bias is not None or rhs_scale is not None:  # each row's group (rows past the groups: segment G)
@@ -80,15 +84,15 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, residuals, grad_out):
     return grad_lhs, grad_rhs, None, grad_bias, None, None
 
 
-def _weight_grad(a, b, group_sizes, out_dtype, generation, interpret):
-    """[M, P], [M, Q] -> [G, P, Q]: per group, a[rows]^T @ b[rows]."""
+def _weight_grad(a, b, group_sizes, out_dtype, generation, interpret, blocks=None):
+    """[M, P], [M, Q] -> [G, P, Q]: per group, a[rows]^T @ b[rows]. blocks: as _forward's."""
     m, p = a.shape
     q = b.shape[1]
     num_groups = group_sizes.shape[0]
     if m == 0:
         return jnp.zeros((num_groups, p, q), out_dtype)
     itemsize = jnp.dtype(a.dtype).itemsize
-    blocks = choose_weight_grad_blocks(m, p, q, num_groups, generation, itemsize)
+    blocks = blocks or choose_weight_grad_blocks(m, p, q, num_groups, generation, itemsize)
     return transposed_grouped_matmul(
         a, b, group_sizes.astype(jnp.int32), blocks=blocks, out_dtype=out_dtype,
         vmem_limit=vmem_limit(weight_grad_buffers(blocks, itemsize), generation),
@@ -187,7 +191,8 @@ def as_stored(rhs, transpose_rhs: bool, order=None):
     return rhs, transpose_rhs
 
 
-def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, generation=None, interpret=None):
+def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, generation=None, interpret=None,
+               blocks=None):
     """Grouped matmul with `jax.lax.ragged_dot` semantics.
 
     Args:
@@ -203,6 +208,9 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
         "v6e", "tpu7x"); default: the current device's.
       interpret: False compiles for the TPU; True or a
         `pltpu.InterpretParams` interprets (default: True off-TPU).
+      blocks: the forward kernel's `kernel.BlockSizes` (block_m rows by block_k by block_n, as
+        the weights are stored: see `as_stored`), or None for the generation's tuned table; the
+        gradients take the table's.
 
     Returns [M, N] in lhs's dtype (accumulated in fp32); rows past
     sum(group_sizes) are zero. Invalid group_sizes (a negative size, a sum
@@ -217,7 +225,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
     # libtpu compiles the kernel itself (in the bench its 4 predicated regions became 1), and one
     # over lhs before it is a pass over lhs (at prefill, 15% of the kernel's modeled time).
     rhs, transpose_rhs = as_stored(rhs, transpose_rhs)
-    return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), rhs_scale, transpose_rhs, generation, interpret)
+    return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), rhs_scale, transpose_rhs, generation, interpret,
+                       blocks)
 
 
 QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with per-channel scales

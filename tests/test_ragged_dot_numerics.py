@@ -399,3 +399,34 @@ def test_down_projection_read_as_held_only_while_its_matmul_fits_the_weights_rea
     monkeypatch.setattr(ops, "stored_order", lambda shape, dtype: order)
     down = jax.ShapeDtypeStruct((128, 2112, 704), jnp.bfloat16)
     assert ops.down_held_experts_minor(down, tokens, generation) == want
+
+
+def test_given_blocks_are_the_forward_kernels():
+    """ragged_dot(blocks=...) runs the forward kernel with those blocks (its grid: N tiles, visits,
+    K steps) and the same result as the table's; the gradients keep the table's."""
+    from ragged_dot.kernel import BlockSizes
+
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal((40, 256)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((3, 256, 384)), jnp.float32)
+    sizes = jnp.asarray([10, 0, 25], jnp.int32)
+    blocks = BlockSizes(block_m=16, block_k=128, block_n=128)
+
+    def grids(fn):
+        found = []
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "pallas_call":
+                    found.append(tuple(eqn.params["grid_mapping"].grid))
+                for sub in jax.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+
+        walk(jax.make_jaxpr(fn)(lhs).jaxpr)
+        return found
+
+    given = lambda x: ops.ragged_dot(x, rhs, sizes, blocks=blocks)
+    assert grids(given)[0][0::2] == (3, 2)  # 384 / 128 column tiles, 256 / 128 K steps
+    assert grids(given) != grids(lambda x: ops.ragged_dot(x, rhs, sizes))
+    want = ops.ragged_dot(lhs, rhs, sizes)  # fp32: only the summation order differs (K in two steps)
+    np.testing.assert_allclose(given(lhs), want, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))

@@ -130,11 +130,9 @@ def test_tuning_rates_candidates_with_the_bench_model(tmp_path, monkeypatch):
     rated = [c for c in record["candidates"] if "modeled_us" in c]
     assert rated and record["modeled_us"] == min(c["modeled_us"] for c in rated)
     assert (tmp_path / "schedules_v6e.json").exists()
-    _, table, key = tune.call_fn(call, shape.experts, "v6e")
     kind, a_shape, b_shape, transpose_rhs = call
     # The bench's whole path for the winner: walk, compile, schedule model (plus the row padding copy).
-    monkeypatch.setitem(table["v6e"], key, kernel.BlockSizes(*record["blocks"]))  # the shipped entry, restored after
-    fn = tune.fresh(tune.call_fn(call, shape.experts, "v6e")[0])
+    fn = tune.fresh(tune.call_fn(call, shape.experts, "v6e", blocks=kernel.BlockSizes(*record["blocks"]))[0])
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
             jnp.asarray(bench.routing(shape, 4)))
     m = harness.measure(fn, args, "v6e", "ragged_dot_tpu")
