@@ -48,6 +48,9 @@ from runtime.generations import GENERATIONS  # noqa: E402
 
 HEAD_DIMS = tuning.TUNED_HEAD_DIMS
 GROUPS = tuning.TUNED_GROUPS
+# Head dims rated at some G only (others take a narrower entry, cut: tuning.choose_blocks):
+# Gemma 4's global layers, the only 512-wide heads, have 8 query heads per KV head.
+GROUPS_OF = {512: (8,)}
 TOKENS = tuning.TUNED_TOKENS
 KV_HEADS = 8
 CANDIDATES = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024), (4096, 512))  # (rows, keys)
@@ -234,6 +237,8 @@ def main(argv=None) -> int:
         for t in args.tokens:
             for g in args.groups:
                 for d in head_dims:
+                    if g not in GROUPS_OF.get(d, (g,)):
+                        continue
                     record = records.get((d, g, t))
                     if record and not args.redo:
                         if scheduler_rated(record) or not args.scheduler:

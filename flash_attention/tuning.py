@@ -6,7 +6,8 @@ schedule model per generation, head_dim, G and length) for their bucket
 (`table_key`): block sizes and, where rated, which kernels compile with
 libtpu's LP scheduler. A bucket the table does not hold takes the entry of
 the widest narrower head_dim it holds at the same G and length, its blocks
-cut to the VMEM they were rated at (Gemma 4's 512 is tuned at G = 8 only).
+cut to the VMEM they were rated at (512 is tuned at Gemma 4's G = 8 only:
+flash_tune.GROUPS_OF).
 Other calls take a rule read from the same model (v6e, 2k and 8k tokens, forward
 and backward; MODELED, not measured): score blocks of about a million
 elements, 2048 query rows (block_q tokens times the G query heads of a KV
@@ -125,7 +126,8 @@ def table_key(num_q: int, head_dim: int, value_dim: int, groups: int) -> tuple[i
 def choose_blocks(num_q: int, num_k: int, head_dim: int, value_dim: int, groups: int, itemsize: int,
                   generation: str, window: int = -1, parts: int = 1) -> BlockSizes:
     """window: `window_span` of the call; parts: see ops._Static. bf16 calls take the tuned entry of their bucket where
-    the table has one; fp32 calls (twice the VMEM per block), windows and the rest, the rule."""
+    the table has one, else a narrower head_dim's cut (see above); fp32 calls (twice the VMEM per block),
+    windows and the rest, the rule."""
     lp_kernels, rated_dim = (), RULE_HEAD_DIM
     if window >= 0:
         rows, keys = WINDOW_BLOCK

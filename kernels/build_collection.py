@@ -137,7 +137,7 @@ def build_kernel(kernel: dict, out_root: Path) -> Path:
 
 def front_matter(kernel: dict) -> str:
     """The card's Hub metadata, from the manifest: license, tags, the TPU generations every kernel
-    is tuned and compiled for, and the dtypes its tests cover."""
+    is compiled for, and the dtypes its tests cover."""
     from runtime.generations import GENERATIONS
 
     tags = ["kernel", "tpu", "pallas", *kernel["tags"]]

@@ -237,6 +237,9 @@ def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs
     three arguments as the caller passed them."""
     lhs_name, rhs_name, scale_name = names
     quantized = any(rhs.dtype == d for d in QUANTIZED)
+    if not quantized and (not jnp.issubdtype(rhs.dtype, jnp.floating) or jnp.dtype(rhs.dtype).itemsize == 1):
+        raise ValueError(f"{rhs_name} is {rhs.dtype}: weights are floating point, or int8 or float8_e4m3fn "
+                         f"with {scale_name}")
     if rhs_scale is None:
         if quantized:
             raise ValueError(f"{rhs_name} is {rhs.dtype}: {scale_name} (float32 [G, N], its per-output-channel "

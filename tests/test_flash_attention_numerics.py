@@ -156,8 +156,7 @@ def test_every_diagonal_offset_matches_the_reference():
     partly (both ends compared) hinges on where the rows' key ranges end and start against the
     block's keys: an off-by-one there shows at one offset only (at 16 x 128 blocks, 16 queries over
     142 keys: a block's first row sees up to the second-to-last key of a key block). Causal, a
-    window to the left, a window on both sides; in one test, since the reference's compiles (one
-    per sequence) dominate its time and the three share them."""
+    window to the left, a window on both sides."""
     # Key blocks of 16, not a TPU's 128: the same comparisons at every offset, for 1/8 the sequences.
     blocks = BlockSizes(block_q=16, block_k=16)
     lens_q, lens_k = _diagonal_sweep(blocks.block_q, blocks.block_k)

@@ -1,4 +1,4 @@
-"""paged_attention's kernel in Pallas interpret mode against the f32 reference: random mixes
+"""paged_attention's kernel in Pallas interpret mode against the reference (f64): random mixes
 of decode, prefill and chunked prefill over shuffled pages, every option, every cache dtype."""
 
 import jax
@@ -11,8 +11,8 @@ from jax.experimental.pallas import tpu as pltpu
 from paged_attention import ops, reference, tuning
 from paged_attention.kernel import BlockSizes
 
-# fp32: every product and sum in f32 (HIGHEST), so only reassociation separates the kernel
-# from the reference (the issue's bound is 1e-4; this is 2e-5 of the largest value).
+# fp32: the kernel's products and sums in f32 (HIGHEST), the reference's in f64: only f32 rounding
+# and reassociation separate them (the issue's bound is 1e-4; this is 2e-5 of the largest value).
 FP32_TOLERANCE = 2e-5
 
 # (name, new tokens per sequence, context lengths (new tokens included), Hq, Hkv, D, page size,

@@ -403,7 +403,7 @@ def test_down_projection_read_as_held_only_while_its_matmul_fits_the_weights_rea
 
 def test_given_blocks_are_the_forward_kernels():
     """ragged_dot(blocks=...) runs the forward kernel with those blocks (its grid: N tiles, visits,
-    K steps) and the same result as the table's; the gradients keep the table's."""
+    K steps) and the same result as the table's."""
     from ragged_dot.kernel import BlockSizes
 
     rng = np.random.default_rng(0)
@@ -419,7 +419,7 @@ def test_given_blocks_are_the_forward_kernels():
             for eqn in jaxpr.eqns:
                 if eqn.primitive.name == "pallas_call":
                     found.append(tuple(eqn.params["grid_mapping"].grid))
-                for sub in jax.core.jaxprs_in_params(eqn.params):
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                     walk(sub)
 
         walk(jax.make_jaxpr(fn)(lhs).jaxpr)

@@ -84,6 +84,7 @@ def test_passes_the_tpu_interpreter():
     (dict(rhs_scale=jnp.ones((G, N), jnp.bfloat16)), "rhs_scale must be float32"),
     (dict(rhs=jnp.ones((G, K, N), jnp.bfloat16)), "rhs_scale is for int8 or float8_e4m3fn weights"),
     (dict(lhs=jnp.ones((M, K), jnp.float16)), "lhs must be bfloat16 or float32"),
+    (dict(rhs=jnp.ones((G, K, N), jnp.float8_e5m2)), "rhs is float8_e5m2: weights are floating point"),
 ])
 def test_bad_scales_are_named_before_any_kernel(change, match):
     rhs, scale, _ = _weights(jnp.int8, False)
