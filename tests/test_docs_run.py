@@ -8,6 +8,7 @@ document (a reader runs a card's blocks in order), and after a paragraph its res
 against a reference: a model's logits against the same checkpoint on transformers' eager code, a
 kernel call against the tests' references."""
 
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -58,8 +59,6 @@ def docs(tmp_path_factory):
     every kernel laid out in the Hub cache that get_kernel reads offline."""
     out = tmp_path_factory.mktemp("build")
     trees = build_collection.build_all(out)
-    import os
-
     build_collection.make_hub_cache(trees, Path(os.environ["KERNELS_CACHE"]))
     return {"README": (ROOT / "README.md").read_text(), **{key: (tree / "README.md").read_text()
                                                              for key, tree in trees.items()}}
