@@ -124,8 +124,9 @@ def _kernel(
 
     def product(last: bool):
         lhs, rhs = lhs_ref[...], rhs_ref[...]
-        if has_scale:  # quantized weights (int8, fp8) widen to lhs's dtype in VMEM, exactly; their
-            rhs = rhs.astype(lhs.dtype)  # per-output-channel scale multiplies the fp32 product at the store
+        if rhs.dtype.itemsize == 1:  # quantized weights (int8, fp8) widen to lhs's dtype in VMEM, exactly;
+            rhs = rhs.astype(lhs.dtype)  # their scale multiplies the fp32 product at the store, or (lhs's
+            # gradient) was folded into lhs by the caller
         if last and k_size % block_k:  # the last K block runs past K: zero the overhang in both
             valid = k_size % block_k
             lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)

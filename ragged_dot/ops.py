@@ -401,8 +401,9 @@ def expert_parallel_experts_forward(hidden_states, top_k_index, top_k_weights, u
     `jax.shard_map`: every shard sees all tokens (replicated), holds E / shards experts
     (up_proj, down_proj and biases sharded on their first dim), computes the slots routed to
     its experts and none of the others, and the shards' partial outputs are summed with one
-    `psum`. top_k_index holds global ids. options: as experts_forward. `check_vma=False`: the
-    Pallas kernels do not declare how their outputs vary over the mesh.
+    `psum`. top_k_index holds global ids. options: as experts_forward; quantized experts' scales
+    (up_scale, down_scale) are split like their weights. `check_vma=False`: the Pallas kernels do
+    not declare how their outputs vary over the mesh.
 
         mesh = jax.make_mesh((8,), ("expert",))
         specs = (P(), P(), P(), P("expert"), P("expert"))  # tokens, ids, weights; experts split

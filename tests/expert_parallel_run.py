@@ -37,6 +37,19 @@ place = lambda *xs: [jax.device_put(x, jax.NamedSharding(mesh, spec)) for x, spe
 single = ops.experts_forward(*args)
 sharded = ep(*place(*args))
 bad = ep(*place(hidden_states, index.at[3, 1].set(experts + 1), *args[2:]))
+
+# int8 experts: each output channel's scale is split over the devices with its expert's weights.
+quantize = lambda w: (jnp.round(w / (s := jnp.abs(w).max(axis=2) / 127)[..., None]).astype(jnp.int8), s)
+(gate_up_q, up_scale), (down_q, down_scale) = quantize(gate_up), quantize(down)
+quantized = dict(hidden_states=hidden_states, top_k_index=index, top_k_weights=weights, up_proj=gate_up_q,
+                 down_proj=down_q, up_scale=up_scale, down_scale=down_scale)
+ep_quantized = jax.jit(jax.shard_map(
+    lambda *xs: ops.expert_parallel_experts_forward(**dict(zip(quantized, xs)), axis_name="expert"),
+    mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
+single_quantized = ops.experts_forward(**quantized)
+sharded_quantized = ep_quantized(*place(*quantized.values()))
 print(json.dumps({"devices": len(jax.devices()), "max_abs_error": float(jnp.abs(sharded - single).max()),
                   "scale": float(jnp.abs(single).max()), "token_routed_elsewhere": float(jnp.abs(sharded[0]).max()),
-                  "bad_id_all_nan": bool(jnp.isnan(bad).all())}))
+                  "bad_id_all_nan": bool(jnp.isnan(bad).all()),
+                  "quantized_max_abs_error": float(jnp.abs(sharded_quantized - single_quantized).max()),
+                  "quantized_scale": float(jnp.abs(single_quantized).max())}))

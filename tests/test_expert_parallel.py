@@ -22,7 +22,8 @@ def test_local_expert_ids():
 def test_sharded_experts_match_one_device():
     """Four CPU devices holding two of eight experts each (biases too), tokens replicated, one
     psum: the single-device output within fp32 summation order; a token routed only to the
-    global sentinel stays exactly zero; an id past the sentinel makes the output NaN."""
+    global sentinel stays exactly zero; an id past the sentinel makes the output NaN. int8 experts
+    with their scales split over the devices likewise."""
     result = subprocess.run([sys.executable, str(Path(__file__).with_name("expert_parallel_run.py"))],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -31,6 +32,7 @@ def test_sharded_experts_match_one_device():
     assert out["max_abs_error"] < 1e-5 * max(1.0, out["scale"]), out
     assert out["token_routed_elsewhere"] == 0.0
     assert out["bad_id_all_nan"]
+    assert out["quantized_max_abs_error"] < 1e-5 * max(1.0, out["quantized_scale"]), out
 
 
 @pytest.mark.parametrize("generation,topology", [("v6e", "v6e:2x4"), ("tpu7x", "tpu7x:2x2x1")])

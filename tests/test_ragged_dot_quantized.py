@@ -94,16 +94,22 @@ def test_bad_scales_are_named_before_any_kernel(change, match):
         ops.ragged_dot(**args)
 
 
-def test_decode_compiles_for_v6e_reading_a_byte_per_weight():
+@pytest.mark.parametrize("pass_", ["forward", "lhs_gradient"])
+def test_decode_compiles_for_v6e_reading_a_byte_per_weight(pass_):
     """Qwen3-30B-A3B's gate_up projection at a 64-token decode step (512 routed rows, 128 experts,
-    [E, N, K] int8): one kernel within v6e's VMEM, whose weight operand is int8 in HBM (no
-    dequantized copy before it)."""
+    [E, N, K] int8), forward and lhs's gradient: one kernel within v6e's VMEM, whose weight operand
+    is int8 in HBM (no dequantized copy before it)."""
     specs = [((512, 2048), jnp.bfloat16), ((128, 1536, 2048), jnp.int8), ((128,), jnp.int32), ((128, 1536), jnp.float32)]
 
     def forward(lhs, rhs, sizes, scale):
         return ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=True, generation="v6e", interpret=False)
 
-    report = tpu_compile.compile_for(forward, specs, "v6e", "ragged_dot_tpu")
+    def lhs_gradient(lhs, rhs, sizes, scale, cotangent):
+        return jax.vjp(lambda x: forward(x, rhs, sizes, scale), lhs)[1](cotangent)[0]
+
+    fn = forward if pass_ == "forward" else lhs_gradient
+    specs += [((512, 1536), jnp.bfloat16)] if pass_ == "lhs_gradient" else []
+    report = tpu_compile.compile_for(fn, specs, "v6e", "ragged_dot_tpu")
     assert len(report.kernels) == 1, report.kernels
     assert all(0 < k.vmem_bytes <= GENERATIONS["v6e"].vmem_bytes for k in report.kernels.values())
     operands = [s for kernel in report.kernels.values() if kernel.schedule for s in kernel.schedule.operand_shapes]
