@@ -29,6 +29,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 
 
+SCALE_BLOCK = 128  # block-scaled weights (FineGrainedFP8's weight_scale_inv): a scale per 128 x 128 block
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     block_m: int  # rows of lhs per tile (multiple of 16 for bf16 packing)
@@ -110,12 +113,14 @@ def _kernel(
     row_start, row_end, visit_group, visit_tile, weight_group, num_visits, fill_nan,
     lhs_ref, rhs_ref, *refs,
     num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool, has_scale: bool,
+    has_block_scale: bool,
 ):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     scale_ref = refs.pop(0) if has_scale else None
+    block_scale_ref = refs.pop(0) if has_block_scale else None
     out_ref, acc_ref = refs[0], (refs[1] if len(refs) > 1 else None)
-    v, k = pl.program_id(1), pl.program_id(2)
+    nn, v, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_steps = pl.num_programs(2)
     group = visit_group[v]
     does_matmul = group < num_groups  # fill visits only store zeros
@@ -131,9 +136,33 @@ def _kernel(
             valid = k_size % block_k
             lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
             rhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, rhs.shape, contract_rhs) < valid, rhs, 0)
-        return jax.lax.dot_general(
-            lhs, rhs, (((1,), (contract_rhs,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision)
+        dot = lambda a, b: jax.lax.dot_general(a, b, (((1,), (contract_rhs,)), ((), ())),
+                                               preferred_element_type=jnp.float32, precision=precision)
+        if block_scale_ref is None:
+            return dot(lhs, rhs)
+        # Each SCALE_BLOCK x SCALE_BLOCK block of the weights has its own scale: one product per
+        # SCALE_BLOCK-wide slice of K, each column scaled by its block's scale, then summed (in fp32).
+        scales = block_scale_rows()
+        total = None
+        for j in range(scales.shape[0]):
+            cut = slice(j * SCALE_BLOCK, min((j + 1) * SCALE_BLOCK, block_k))
+            part = dot(lhs[:, cut], rhs[:, cut] if transpose_rhs else rhs[cut, :]) * scales[j:j + 1, :]
+            total = part if total is None else total + part
+        return total
+
+    def block_scale_rows():
+        """[K slices of this step, block_n]: the scale of each slice's block of each output column,
+        picked from the group's [N blocks, K blocks] scales by two one-hot matmuls (exact at HIGHEST;
+        a lane-dynamic slice does not lower)."""
+        scales = block_scale_ref[...]
+        slices, n_blocks, k_blocks = pl.cdiv(block_k, SCALE_BLOCK), scales.shape[0], scales.shape[1]
+        block_n = out_ref.shape[1]
+        iota = lambda shape, dim: jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+        pick_k = (iota((slices, k_blocks), 0) + k * slices == iota((slices, k_blocks), 1)).astype(jnp.float32)
+        pick_n = (iota((n_blocks, block_n), 0) == (nn * block_n + iota((n_blocks, block_n), 1)) // SCALE_BLOCK)
+        highest = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+        per_slice = jax.lax.dot_general(pick_k, scales, (((1,), (1,)), ((), ())), **highest)  # [slices, N blocks]
+        return jnp.dot(per_slice, pick_n.astype(jnp.float32), **highest)
 
     def store(value):
         # Rows before the group's first belong to earlier visits of this tile:
@@ -185,12 +214,16 @@ def grouped_matmul(
     bias: jax.Array | None = None,
     fill_nan: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
+    rhs_block_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The pallas_call. lhs rows must already be a multiple of block_m; K
     and N blocks need not divide K and N (edge blocks are masked or clipped).
     bias: [G, N] or None, added to each group's rows in the store's epilogue.
     rhs_scale: float32 [G, N] or None: rhs (int8 or fp8) times this per output
     channel is the weight; the product is scaled in the store's epilogue.
+    rhs_block_scale: float32 [G, cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)] or
+    None: rhs times its SCALE_BLOCK x SCALE_BLOCK block's scale is the weight
+    (block_k a multiple of SCALE_BLOCK, or all of K).
     fill_nan: a bool scalar on the device, or None (False): the rows past the
     groups are NaN instead of zero (how callers report invalid group sizes
     without a pass over any array: they pass all sizes zero).
@@ -228,6 +261,9 @@ def grouped_matmul(
     def per_channel_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
         return weight_group[v], 0, nn
 
+    def per_group_map(nn, v, kk, row_start, row_end, visit_group, visit_tile, weight_group, *_):
+        return weight_group[v], 0, 0
+
     rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
     in_specs = [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
     operands = [lhs, rhs]
@@ -235,6 +271,10 @@ def grouped_matmul(
         if per_channel is not None:
             in_specs.append(pl.BlockSpec((None, 1, bn), per_channel_map))
             operands.append(per_channel.reshape(num_groups, 1, n))
+    if rhs_block_scale is not None:  # the group's whole [N blocks, K blocks]: read once per group
+        assert bk % SCALE_BLOCK == 0 or k_steps == 1, blocks
+        in_specs.append(pl.BlockSpec((None, *rhs_block_scale.shape[1:]), per_group_map))
+        operands.append(rhs_block_scale)
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     flops = 2 * m * k * n  # upper bound: every row once
     cost = pl.CostEstimate(
@@ -246,7 +286,7 @@ def grouped_matmul(
     return pl.pallas_call(
         functools.partial(
             _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k,
-            has_bias=bias is not None, has_scale=rhs_scale is not None,
+            has_bias=bias is not None, has_scale=rhs_scale is not None, has_block_scale=rhs_block_scale is not None,
         ),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(

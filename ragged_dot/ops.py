@@ -15,7 +15,7 @@ from jax.experimental.layout import Layout
 
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
-from .kernel import grouped_matmul, transposed_grouped_matmul
+from .kernel import SCALE_BLOCK, grouped_matmul, transposed_grouped_matmul
 from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
 
 
@@ -40,7 +40,8 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     out = grouped_matmul(
         lhs_padded, rhs, group_sizes.astype(jnp.int32), blocks=blocks, transpose_rhs=transpose_rhs,
         out_dtype=lhs.dtype, vmem_limit=vmem_limit(forward_buffers(blocks, itemsize), generation), interpret=interpret,
-        bias=bias, fill_nan=fill_nan, rhs_scale=rhs_scale,
+        bias=bias, fill_nan=fill_nan, rhs_scale=rhs_scale if rhs_scale is None or rhs_scale.ndim == 2 else None,
+        rhs_block_scale=rhs_scale if rhs_scale is not None and rhs_scale.ndim == 3 else None,
     )
     return out[:m]
 
@@ -49,7 +50,8 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
 def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs, generation, interpret, blocks=None):
     """bias: [G, N] added to each group's rows inside the kernel, or None.
     fill_nan: a bool scalar, or None: rows past the groups are NaN, not zero.
-    rhs_scale: [G, N] float32 per-output-channel scales of a quantized rhs, or None.
+    rhs_scale: float32 scales of a quantized rhs, or None: [G, N] per output channel, or
+      [G, cdiv(N, 128), cdiv(K, 128)] per 128 x 128 block (N-major whatever rhs's layout).
     blocks: the forward kernel's BlockSizes, or None (the table's); the gradients take the table's."""
     return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale, blocks)
 
@@ -68,6 +70,12 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, blocks, residuals, gra
     if bias is not None:  # d bias[g] = the sum of grad_out over g's rows (segment G dropped)
         grad_bias = jax.ops.segment_sum(grad_out.astype(jnp.float32), segment, num_segments=bias.shape[0] + 1)
         grad_bias = grad_bias[:-1].astype(bias.dtype)
+    if rhs_scale is not None and rhs_scale.ndim == 3:
+        # Per block: d lhs = grad_out @ (rhs * scales)^T, the same kernel with the layout and the
+        # scales' [N blocks, K blocks] flipped. A quantized, frozen weight gets no gradient.
+        grad_lhs = _forward(grad_out.astype(lhs.dtype), rhs, group_sizes, not transpose_rhs, generation, interpret,
+                            rhs_scale=jnp.swapaxes(rhs_scale, 1, 2))
+        return grad_lhs, None, None, grad_bias, None, None
     if rhs_scale is not None:
         # The weight is rhs * scale per output channel: d lhs = (grad_out * scale[row's group]) @ rhs^T.
         # A quantized, frozen weight gets no gradient (adapters train around it).
@@ -200,10 +208,12 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
       rhs: [G, K, N], or [G, N, K] with transpose_rhs (transformers' layout): lhs's dtype, or
         quantized (int8, float8_e4m3fn) with rhs_scale.
       group_sizes: int32 [G], rows per group, summing to at most M.
-      rhs_scale: float32 [G, N]: the weight is rhs times this per output channel (int8 or fp8
-        weights with per-channel scales, as quantized checkpoints hold them). The kernel reads rhs
-        as stored (a byte per weight) and scales the fp32 product; lhs's gradient flows, rhs gets
-        none (a frozen quantized weight).
+      rhs_scale: float32 scales of int8 or fp8 weights, as quantized checkpoints hold them: [G, N],
+        the weight is rhs times this per output channel; or one per SCALE_BLOCK x SCALE_BLOCK
+        (128 x 128) block of rhs, laid out as rhs ([G, cdiv(K, 128), cdiv(N, 128)], or
+        [G, cdiv(N, 128), cdiv(K, 128)] with transpose_rhs: FineGrainedFP8's weight_scale_inv).
+        The kernel reads rhs as stored (a byte per weight) and scales the fp32 products; lhs's
+        gradient flows, rhs gets none (a frozen quantized weight).
       generation: TPU generation whose block table to use ("v5e", "v5p",
         "v6e", "tpu7x"); default: the current device's.
       interpret: False compiles for the TPU; True or a
@@ -224,17 +234,25 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
     # The report is the kernel's own fill: a select over the output after the kernel changes how
     # libtpu compiles the kernel itself (in the bench its 4 predicated regions became 1), and one
     # over lhs before it is a pass over lhs (at prefill, 15% of the kernel's modeled time).
+    rhs_scale = n_major(rhs_scale, transpose_rhs)
     rhs, transpose_rhs = as_stored(rhs, transpose_rhs)
     return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), rhs_scale, transpose_rhs, generation, interpret,
                        blocks)
 
 
-QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with per-channel scales
+QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with scales
+
+
+def n_major(scale, transpose_rhs: bool):
+    """Scales as the kernels take them: per channel [G, N] as given; per block, laid out as the
+    weights, [G, N blocks, K blocks] (a swap of the small scale array when the weights are [G, K, N])."""
+    return jnp.swapaxes(scale, 1, 2) if scale is not None and scale.ndim == 3 and not transpose_rhs else scale
 
 
 def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs", "rhs_scale")) -> None:
-    """A quantized rhs needs its scales, [G, N] float32; other weights are lhs's dtype. names: the
-    three arguments as the caller passed them."""
+    """A quantized rhs needs its float32 scales, per output channel or per 128 x 128 block (see
+    `ragged_dot`); other weights are floating point. names: the three arguments as the caller passed
+    them."""
     lhs_name, rhs_name, scale_name = names
     quantized = any(rhs.dtype == d for d in QUANTIZED)
     if not quantized and (not jnp.issubdtype(rhs.dtype, jnp.floating) or jnp.dtype(rhs.dtype).itemsize == 1):
@@ -245,11 +263,13 @@ def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs
             raise ValueError(f"{rhs_name} is {rhs.dtype}: {scale_name} (float32 [G, N], its per-output-channel "
                              "scales) is required")
         return
-    want = (rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])
+    per_channel = (rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])
+    per_block = (rhs.shape[0], *(-(-d // SCALE_BLOCK) for d in rhs.shape[1:]))
     if not quantized:
         raise ValueError(f"{scale_name} is for int8 or float8_e4m3fn weights, {rhs_name} is {rhs.dtype}")
-    if tuple(rhs_scale.shape) != want or rhs_scale.dtype != jnp.float32:
-        raise ValueError(f"{scale_name} must be float32 {want} (per group and output channel), "
+    if tuple(rhs_scale.shape) not in (per_channel, per_block) or rhs_scale.dtype != jnp.float32:
+        raise ValueError(f"{scale_name} must be float32 {per_channel} (per group and output channel) or "
+                         f"{per_block} (per {SCALE_BLOCK} x {SCALE_BLOCK} block of {rhs_name}), "
                          f"got {rhs_scale.dtype} {tuple(rhs_scale.shape)}")
     if lhs_dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"{lhs_name} must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
@@ -306,9 +326,10 @@ def experts_forward(
     when gated, else up_proj [E, I, H]; down_proj [E, H, I]; with
     `transposed` they are [E, H, U] and [E, I, H]. Biases [E, U] and [E, H]
     (None or empty: no bias). activation: a key of ACTIVATIONS, or
-    CLAMPED_SWIGLU with alpha and limit. up_scale [E, U] and down_scale
-    [E, H]: float32 per-output-channel scales of int8 or float8_e4m3fn
-    weights (see `ragged_dot`). Returns [T, H]. An id outside
+    CLAMPED_SWIGLU with alpha and limit. up_scale and down_scale: float32
+    scales of int8 or float8_e4m3fn weights, per output channel ([E, U],
+    [E, H]) or per 128 x 128 block laid out as the weights (see
+    `ragged_dot`). Returns [T, H]. An id outside
     [0, E] makes the whole output NaN: checked on the device, with no round
     trip to the host (such rows are never multiplied: routing cannot place
     a row outside the groups).
@@ -336,6 +357,7 @@ def experts_forward(
     def project(inputs, weights, bias, scale):
         # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
         # are in no group and stay exactly zero.
+        scale = n_major(scale, not transposed)
         weights, transpose_rhs = as_stored(weights, not transposed)
         return _ragged_dot(inputs, weights, group_sizes, bias, None, scale, transpose_rhs, generation,
                            interpret).astype(jnp.float32)

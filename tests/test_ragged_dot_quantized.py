@@ -1,7 +1,8 @@
-"""ragged_dot with quantized weights (int8 and float8_e4m3fn, a float32 scale per group and output
-channel): the kernel reads the weights as stored and scales the fp32 product. Against
-jax.lax.ragged_dot over the dequantized weights, in interpret mode and the TPU interpreter;
-lhs's gradient; bad scales named; a decode-sized call compiled for v6e reading a byte per weight."""
+"""ragged_dot with quantized weights (int8 and float8_e4m3fn, float32 scales per group and output
+channel, or per 128 x 128 block as FineGrainedFP8 checkpoints hold them): the kernel reads the
+weights as stored and scales the fp32 products. Against jax.lax.ragged_dot over the dequantized
+weights, in interpret mode and the TPU interpreter; lhs's gradient; bad scales named; a
+decode-sized call compiled for v6e reading a byte per weight."""
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +22,23 @@ SIZES = (10, 0, 25)
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2 ** -8}
 
 
-def _weights(dtype, transpose_rhs, seed=0):
-    """(rhs as stored, scales [G, N] distinct per group and channel, the dequantized weight [G, K, N] in fp32)."""
+def _weights(dtype, transpose_rhs, seed=0, per_block=False, k=K, n=N):
+    """(rhs as stored, its scales distinct per group and channel, or per 128 x 128 block laid out as
+    rhs, the dequantized weight [G, K, N] in fp32)."""
     rng = np.random.default_rng(seed)
-    shape = (G, N, K) if transpose_rhs else (G, K, N)
+    shape = (G, n, k) if transpose_rhs else (G, k, n)
     if dtype == jnp.int8:
         rhs = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
     else:
         rhs = jnp.asarray(rng.standard_normal(shape) * 4, jnp.float32).astype(dtype)
-    scale = jnp.asarray(rng.uniform(0.001, 0.02, (G, N)), jnp.float32)
-    dequantized = rhs.astype(jnp.float32) * (scale[:, :, None] if transpose_rhs else scale[:, None, :])
+    if per_block:
+        scale = rng.uniform(0.001, 0.02, (G, *(-(-d // 128) for d in shape[1:])))
+        expanded = np.repeat(np.repeat(scale, 128, axis=1), 128, axis=2)[:, :shape[1], :shape[2]]
+    else:
+        scale = rng.uniform(0.001, 0.02, (G, n))
+        expanded = scale[:, :, None] if transpose_rhs else scale[:, None, :]
+    dequantized = rhs.astype(jnp.float32) * jnp.asarray(expanded, jnp.float32)
+    scale = jnp.asarray(scale, jnp.float32)
     return rhs, scale, jnp.swapaxes(dequantized, 1, 2) if transpose_rhs else dequantized
 
 
@@ -38,11 +46,12 @@ def _reference(lhs, weight, sizes):
     return jax.lax.ragged_dot(lhs.astype(jnp.float32), weight, sizes, precision=jax.lax.Precision.HIGHEST)
 
 
+@pytest.mark.parametrize("per_block", [False, True], ids=["per_channel", "per_block"])
 @pytest.mark.parametrize("lhs_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
-def test_matches_the_dequantized_weights(dtype, transpose_rhs, lhs_dtype):
-    rhs, scale, weight = _weights(dtype, transpose_rhs)
+def test_matches_the_dequantized_weights(dtype, transpose_rhs, lhs_dtype, per_block):
+    rhs, scale, weight = _weights(dtype, transpose_rhs, per_block=per_block)
     lhs = jnp.asarray(np.random.default_rng(1).standard_normal((M, K)), jnp.float32).astype(lhs_dtype)
     sizes = jnp.asarray(SIZES, jnp.int32)
     out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=transpose_rhs)
@@ -52,9 +61,26 @@ def test_matches_the_dequantized_weights(dtype, transpose_rhs, lhs_dtype):
     assert not np.any(np.asarray(out[sum(SIZES):])), "rows past the groups are zero"
 
 
-def test_lhs_gradient_and_none_for_the_frozen_weights():
-    """d lhs = (d out * scale of the row's group) @ rhs^T; rhs and its scales get no gradient."""
-    rhs, scale, weight = _weights(jnp.int8, True)
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_block_scales_follow_every_k_step_and_n_tile(transpose_rhs):
+    """Blocks smaller than the weights: 3 K steps of 128 (the last one partial) and N tiles of 256
+    (two scale blocks each, the last tile partial): each product takes its own blocks' scales."""
+    from ragged_dot.kernel import BlockSizes
+
+    k, n = 300, 400
+    rhs, scale, weight = _weights(jnp.float8_e4m3fn, transpose_rhs, seed=5, per_block=True, k=k, n=n)
+    lhs = jnp.asarray(np.random.default_rng(6).standard_normal((M, k)), jnp.float32)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=transpose_rhs,
+                         blocks=BlockSizes(block_m=16, block_k=128, block_n=256))
+    want = _reference(lhs, weight, sizes)
+    assert jnp.max(jnp.abs(out - want)) <= TOLERANCE[jnp.float32] * jnp.max(jnp.abs(want))
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["per_channel", "per_block"])
+def test_lhs_gradient_and_none_for_the_frozen_weights(per_block):
+    """d lhs = d out @ (the dequantized weights)^T; rhs and its scales get no gradient."""
+    rhs, scale, weight = _weights(jnp.int8, True, per_block=per_block)
     lhs = jnp.asarray(np.random.default_rng(2).standard_normal((M, K)), jnp.float32)
     sizes = jnp.asarray(SIZES, jnp.int32)
     cotangent = jnp.asarray(np.random.default_rng(3).standard_normal((M, N)), jnp.float32)
@@ -66,10 +92,12 @@ def test_lhs_gradient_and_none_for_the_frozen_weights():
     assert not np.any(np.asarray(d_scale))
 
 
-def test_passes_the_tpu_interpreter():
-    """Races, out-of-bounds DMAs and uninitialised reads (NaN-filled memory), int8 weights in
+@pytest.mark.parametrize("dtype,per_block", [(jnp.int8, False), (jnp.float8_e4m3fn, True)],
+                         ids=["int8_per_channel", "fp8_per_block"])
+def test_passes_the_tpu_interpreter(dtype, per_block):
+    """Races, out-of-bounds DMAs and uninitialised reads (NaN-filled memory), weights in
     transformers' [G, N, K] layout."""
-    rhs, scale, weight = _weights(jnp.int8, True)
+    rhs, scale, weight = _weights(dtype, True, per_block=per_block)
     lhs = jnp.asarray(np.random.default_rng(1).standard_normal((M, K)), jnp.bfloat16)
     sizes = jnp.asarray(SIZES, jnp.int32)
     out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=True,
@@ -81,6 +109,7 @@ def test_passes_the_tpu_interpreter():
 @pytest.mark.parametrize("change,match", [
     (dict(rhs_scale=None), "rhs_scale .* is required"),
     (dict(rhs_scale=jnp.ones((G, K), jnp.float32)), r"rhs_scale must be float32 \(3, 300\)"),
+    (dict(rhs_scale=jnp.ones((G, 3, 2), jnp.float32)), r"or \(3, 2, 3\) \(per 128 x 128 block of rhs\)"),
     (dict(rhs_scale=jnp.ones((G, N), jnp.bfloat16)), "rhs_scale must be float32"),
     (dict(rhs=jnp.ones((G, K, N), jnp.bfloat16)), "rhs_scale is for int8 or float8_e4m3fn weights"),
     (dict(lhs=jnp.ones((M, K), jnp.float16)), "lhs must be bfloat16 or float32"),
@@ -95,11 +124,13 @@ def test_bad_scales_are_named_before_any_kernel(change, match):
 
 
 @pytest.mark.parametrize("pass_", ["forward", "lhs_gradient"])
-def test_decode_compiles_for_v6e_reading_a_byte_per_weight(pass_):
+@pytest.mark.parametrize("dtype,scale_shape", [(jnp.int8, (128, 1536)), (jnp.float8_e4m3fn, (128, 12, 16))],
+                         ids=["int8_per_channel", "fp8_per_block"])
+def test_decode_compiles_for_v6e_reading_a_byte_per_weight(pass_, dtype, scale_shape):
     """Qwen3-30B-A3B's gate_up projection at a 64-token decode step (512 routed rows, 128 experts,
-    [E, N, K] int8), forward and lhs's gradient: one kernel within v6e's VMEM, whose weight operand
-    is int8 in HBM (no dequantized copy before it)."""
-    specs = [((512, 2048), jnp.bfloat16), ((128, 1536, 2048), jnp.int8), ((128,), jnp.int32), ((128, 1536), jnp.float32)]
+    [E, N, K] a byte per weight), forward and lhs's gradient: one kernel within v6e's VMEM, whose
+    weight operand is int8 or fp8 in HBM (no dequantized copy before it)."""
+    specs = [((512, 2048), jnp.bfloat16), ((128, 1536, 2048), dtype), ((128,), jnp.int32), (scale_shape, jnp.float32)]
 
     def forward(lhs, rhs, sizes, scale):
         return ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=True, generation="v6e", interpret=False)
@@ -113,25 +144,35 @@ def test_decode_compiles_for_v6e_reading_a_byte_per_weight(pass_):
     assert len(report.kernels) == 1, report.kernels
     assert all(0 < k.vmem_bytes <= GENERATIONS["v6e"].vmem_bytes for k in report.kernels.values())
     operands = [s for kernel in report.kernels.values() if kernel.schedule for s in kernel.schedule.operand_shapes]
-    assert "s8[128,1536,2048]" in operands, operands
+    assert ("s8" if dtype == jnp.int8 else "f8e4m3fn") + "[128,1536,2048]" in operands, operands
     assert not any("bf16[128,1536,2048]" in s for op in report.other_ops.values() for s in op.operand_shapes)
 
 
+@pytest.mark.parametrize("per_block", [False, True], ids=["int8_per_channel", "fp8_per_block"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["transformers", "gpt_oss_layout"])
-def test_experts_forward_matches_the_dequantized_experts(transposed):
-    """Both projections int8 (per-expert, per-channel scales, distinct per projection) against the
-    same forward on the dequantized fp32 weights, with biases; hidden_states' gradient too (the
-    weights' path is tested against transformers' experts in test_ragged_dot_numerics)."""
+def test_experts_forward_matches_the_dequantized_experts(transposed, per_block):
+    """Both projections quantized (int8 with per-expert, per-channel scales, or fp8 with a scale per
+    128 x 128 block laid out as the weights; distinct per projection) against the same forward on
+    the dequantized fp32 weights, with biases; hidden_states' gradient too (the weights' path is
+    tested against transformers' experts in test_ragged_dot_numerics)."""
     rng = np.random.default_rng(4)
-    tokens, hidden, inter, experts, top_k = 6, 96, 40, 4, 2
+    tokens, hidden, inter, experts, top_k = 6, 160, 72, 4, 2  # 2 x 2 blocks of 128 per weight
     up_shape, down_shape = ((experts, hidden, 2 * inter), (experts, inter, hidden)) if transposed else \
         ((experts, 2 * inter, hidden), (experts, hidden, inter))
-    quantize = lambda shape: jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
-    up, down = quantize(up_shape), quantize(down_shape)
-    up_scale = jnp.asarray(rng.uniform(0.001, 0.01, (experts, 2 * inter)), jnp.float32)
-    down_scale = jnp.asarray(rng.uniform(0.001, 0.01, (experts, hidden)), jnp.float32)
     channel_axis = 2 if transposed else 1  # where a weight's output channels are
-    dequantize = lambda w, s: w.astype(jnp.float32) * jnp.expand_dims(s, 3 - channel_axis)
+
+    def quantize(shape):
+        """(weights, scales, the dequantized fp32 weights)."""
+        if not per_block:
+            w = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+            s = jnp.asarray(rng.uniform(0.001, 0.01, (shape[0], shape[channel_axis])), jnp.float32)
+            return w, s, w.astype(jnp.float32) * jnp.expand_dims(s, 3 - channel_axis)
+        w = jnp.asarray(rng.standard_normal(shape) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
+        s = rng.uniform(0.001, 0.01, (shape[0], *(-(-d // 128) for d in shape[1:])))
+        expanded = np.repeat(np.repeat(s, 128, axis=1), 128, axis=2)[:, :shape[1], :shape[2]]
+        return w, jnp.asarray(s, jnp.float32), w.astype(jnp.float32) * jnp.asarray(expanded, jnp.float32)
+
+    (up, up_scale, up_fp32), (down, down_scale, down_fp32) = quantize(up_shape), quantize(down_shape)
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
     index = jnp.asarray(np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k], jnp.int32)
     weights = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
@@ -143,8 +184,7 @@ def test_experts_forward_matches_the_dequantized_experts(transposed):
                                    up_scale=up_scale, down_scale=down_scale)
 
     def dequantized(x):
-        return ops.experts_forward(x, index, weights, dequantize(up, up_scale), dequantize(down, down_scale),
-                                   up_bias, down_bias, transposed=transposed)
+        return ops.experts_forward(x, index, weights, up_fp32, down_fp32, up_bias, down_bias, transposed=transposed)
 
     got, want = quantized(x), dequantized(x)
     assert jnp.max(jnp.abs(got - want)) <= 1e-5 * jnp.max(jnp.abs(want))
