@@ -8,6 +8,6 @@ from ._shared.dependencies import require_jax
 
 require_jax("ragged-dot-tpu")
 
-from .torch_ops import experts_forward, ragged_dot  # noqa: E402  (after the jax check)
+from .torch_ops import experts_forward, quantize_experts, ragged_dot  # noqa: E402  (after the jax check)
 
-__all__ = ["ragged_dot", "experts_forward"]
+__all__ = ["ragged_dot", "experts_forward", "quantize_experts"]

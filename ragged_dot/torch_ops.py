@@ -45,6 +45,8 @@ def _experts_forward_jax(
     down_proj: jax.Array,
     up_bias: jax.Array,
     down_bias: jax.Array,
+    up_scale: jax.Array,
+    down_scale: jax.Array,
     activation: str,
     gated: bool,
     interleaved: bool,
@@ -55,10 +57,12 @@ def _experts_forward_jax(
     interpret,
     generation,
 ) -> jax.Array:
+    none_if_empty = lambda x: None if x.size == 0 else x
     return ops.experts_forward(
         hidden_states, top_k_index, top_k_weights, up_proj, down_proj, up_bias, down_bias,
         activation=activation, gated=gated, interleaved=interleaved, transposed=transposed,
-        alpha=alpha, limit=limit, generation=generation, interpret=interpret,
+        alpha=alpha, limit=limit, up_scale=none_if_empty(up_scale), down_scale=none_if_empty(down_scale),
+        generation=generation, interpret=interpret,
     )
 
 
@@ -70,6 +74,14 @@ experts_forward_op = jax_custom_op(
     _experts_forward_jax,
     differentiable=("hidden_states", "top_k_weights", "up_proj", "down_proj", "up_bias", "down_bias"),
 )
+# Quantized experts are frozen: no gradient for their weights or scales.
+quantized_experts_forward_op = jax_custom_op(
+    f"{OP_NAMESPACE}::quantized_experts_forward",
+    _experts_forward_jax,
+    differentiable=("hidden_states", "top_k_weights", "up_bias", "down_bias"),
+)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+SCALE_SUFFIX = "_scale_inv"  # as transformers' FP8 experts name a weight's scales (weight times them)
 
 
 def ragged_dot(
@@ -142,9 +154,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
     Reads the layout from the module: gate_up_proj (gate then up, or
     interleaved) or up_proj without a gate, transposed or not, optional
-    biases, its activation or gpt-oss's clamped SwiGLU. Expert id E in
-    top_k_index marks a token routed to another expert-parallel shard; it
-    costs nothing and contributes zero. One op per layer, differentiable.
+    biases, its activation or gpt-oss's clamped SwiGLU; quantized weights
+    (int8 or float8_e4m3fn, see `quantize_experts`) with their float32 scales
+    `<weight>_scale_inv`. Expert id E in top_k_index marks a token routed to
+    another expert-parallel shard; it costs nothing and contributes zero.
+    One op per layer, differentiable (quantized weights are frozen).
     """
     layout = _experts_layout(self)
     up_name = "gate_up_proj" if layout["gated"] else "up_proj"
@@ -152,18 +166,34 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if getattr(self, "has_bias", False):
         up_bias, down_bias = getattr(self, up_name + "_bias"), self.down_proj_bias
     else:
-        up_bias = down_bias = up.new_empty(0)
+        up_bias = down_bias = hidden_states.new_empty(0)
+    quantized = up.dtype in QUANTIZED_DTYPES or down.dtype in QUANTIZED_DTYPES
+    up_scale, down_scale = (getattr(self, name + SCALE_SUFFIX, None) for name in (up_name, "down_proj"))
+    if quantized and (up_scale is None or down_scale is None):
+        raise ValueError(f"{type(self).__name__}: {up_name} is {up.dtype} and down_proj {down.dtype}: "
+                         f"quantized experts need {up_name}{SCALE_SUFFIX} and down_proj{SCALE_SUFFIX} (quantize_experts)")
+    weight_dtypes = QUANTIZED_DTYPES if quantized else FLOAT_DTYPES
     tensors = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights,
                up_name: up, "down_proj": down, up_name + "_bias": up_bias, "down_proj_bias": down_bias}
+    if quantized:
+        tensors.update({up_name + SCALE_SUFFIX: up_scale, "down_proj" + SCALE_SUFFIX: down_scale})
     for name, tensor in tensors.items():
-        dtypes = {"top_k_index": None, "top_k_weights": FLOAT_DTYPES + (torch.float16,)}.get(name, FLOAT_DTYPES)
+        dtypes = {"top_k_index": None, "top_k_weights": FLOAT_DTYPES + (torch.float16,), up_name: weight_dtypes,
+                  "down_proj": weight_dtypes}.get(name, FLOAT_DTYPES)
         check_tensor(name, tensor, None, dtypes)
     ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up.shape, down.shape,
                              up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"])
     check_same_device(**tensors)
-    for name in (up_name, "down_proj", up_name + "_bias", "down_proj_bias"):
+    must_match = (up_name + "_bias", "down_proj_bias") + (() if quantized else (up_name, "down_proj"))
+    for name in must_match:
         if tensors[name].dtype != hidden_states.dtype:
             raise TypeError(f"{name} dtype {tensors[name].dtype} must match hidden_states' dtype {hidden_states.dtype}")
+    if quantized:  # scales' shapes and dtypes, named as the module holds them
+        for weight, scale, names in ((up, up_scale, ("hidden_states", up_name, up_name + SCALE_SUFFIX)),
+                                     (down, down_scale, ("hidden_states", "down_proj", "down_proj" + SCALE_SUFFIX))):
+            spec = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), _JAX_DTYPES[t.dtype])
+            ops.check_rhs_scale(_JAX_DTYPES[hidden_states.dtype], spec(weight), spec(scale),
+                                not layout["transposed"], names)
     num_experts = up.shape[0]
     index = as_int32_index(top_k_index, "top_k_index", 0, num_experts)
     # Pad tokens to a bucket (bounded compiles). Padding tokens are routed to
@@ -174,9 +204,42 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))
         index = torch.nn.functional.pad(index, (0, 0, 0, pad), value=num_experts)
         top_k_weights = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))
-    out = experts_forward_op(
-        hidden_states, index, top_k_weights, up, down, up_bias, down_bias,
+    op, scales = (quantized_experts_forward_op, (up_scale, down_scale)) if quantized else \
+        (experts_forward_op, (hidden_states.new_empty(0, dtype=torch.float32),) * 2)
+    out = op(
+        hidden_states, index, top_k_weights, up, down, up_bias, down_bias, *scales,
         layout["activation"], layout["gated"], layout["interleaved"], layout["transposed"],
         layout["alpha"], layout["limit"],
     )
     return out[:tokens] if pad else out
+
+
+_JAX_DTYPES = {torch.float32: jax.numpy.float32, torch.bfloat16: jax.numpy.bfloat16, torch.float16: jax.numpy.float16,
+               torch.int8: jax.numpy.int8, torch.float8_e4m3fn: jax.numpy.float8_e4m3fn}
+_QUANTIZED_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+@torch.no_grad()
+def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8) -> int:
+    """Quantizes every experts module of `model` in place, for `experts_forward`: each expert's
+    gate_up_proj (or up_proj) and down_proj become `dtype` (int8 or float8_e4m3fn) with a float32
+    scale per expert and output channel, `<weight>_scale_inv` (the weight is the quantized one
+    times it), symmetric: the channel's largest magnitude maps to the dtype's largest. The weights
+    then take a byte each and are frozen. Returns how many modules were quantized."""
+    if dtype not in _QUANTIZED_MAX:
+        raise ValueError(f"dtype must be one of {list(_QUANTIZED_MAX)}, got {dtype}")
+    count = 0
+    for module in model.modules():
+        names = [n for n in ("gate_up_proj", "up_proj", "down_proj") if isinstance(getattr(module, n, None), torch.nn.Parameter)]
+        if "down_proj" not in names or len(names) != 2 or getattr(module, "down_proj").ndim != 3:
+            continue  # not an experts module (a dense MLP's down_proj is a Linear)
+        out_axis = 2 if getattr(module, "is_transposed", False) else 1
+        for name in names:
+            weight = getattr(module, name).float()
+            scale = weight.abs().amax(dim=3 - out_axis).clamp(min=torch.finfo(torch.float32).tiny) / _QUANTIZED_MAX[dtype]
+            q = weight / scale.unsqueeze(3 - out_axis)
+            q = q.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else q.to(dtype)
+            setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
+            setattr(module, name + SCALE_SUFFIX, torch.nn.Parameter(scale, requires_grad=False))
+        count += 1
+    return count

@@ -32,8 +32,10 @@ SILU_LAYOUT = ("silu", True, False, False, 0.0, 0.0)  # activation, gated, inter
 
 
 def _experts_op_args(hidden, index, weights, gate_up, down):
-    """The experts op's arguments for the common layout (no bias, SiLU)."""
-    return (hidden, index, weights, gate_up, down, gate_up.new_empty(0), down.new_empty(0), *SILU_LAYOUT)
+    """The experts op's arguments for the common layout (no bias, not quantized, SiLU)."""
+    no_scale = hidden.new_empty(0, dtype=torch.float32)
+    return (hidden, index, weights, gate_up, down, gate_up.new_empty(0), down.new_empty(0), no_scale, no_scale,
+            *SILU_LAYOUT)
 
 
 def test_opcheck_ragged_dot():

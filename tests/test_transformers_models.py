@@ -178,3 +178,63 @@ def test_gpt_oss_clamp_active():
         want = eager(ids).logits
         assert (want - unclamped).abs().max() > 1e-2, "the clamp must change the logits for this test to guard it"
         torch.testing.assert_close(ours(ids).logits, want, rtol=0, atol=1e-4)
+
+
+def _dequantized_into(eager, ours):
+    """eager's experts weights set to ours' quantized ones times their scales (fp32): the model
+    ours is, dequantized."""
+    pairs = [(e, o) for e, o in zip(eager.modules(), ours.modules()) if hasattr(o, "down_proj_scale_inv")]
+    with torch.no_grad():
+        for e, o in pairs:
+            out_axis = 2 if o.is_transposed else 1
+            for name in ("gate_up_proj" if o.has_gate else "up_proj", "down_proj"):
+                scale = getattr(o, name + "_scale_inv").unsqueeze(3 - out_axis)
+                getattr(e, name).copy_(getattr(o, name).float() * scale)
+    return len(pairs)
+
+
+@pytest.mark.parametrize("family,dtype", [("gpt_oss", torch.int8), ("qwen3_5_moe", torch.float8_e4m3fn),
+                                          ("qwen3_moe", torch.int8)])
+def test_quantized_experts_match_their_dequantized_model(family, dtype, hub_experts):
+    """kernel.quantize_experts (loaded with get_kernel from the built tree) turns every experts
+    module's weights into a byte each with a float32 scale per expert and output channel; the
+    model then gives the logits and greedy tokens of transformers' eager experts on the same
+    weights dequantized (fp32; only summation order differs), compiled whole in one graph too."""
+    import sys
+
+    name, _ = hub_experts
+    kernel = sys.modules[ALL_EXPERTS_FUNCTIONS[name].__module__.rsplit(".", 1)[0]]
+    ours, eager, num_experts_modules = _models(family)
+    ours.set_experts_implementation(name)
+    full_bytes = sum(p.numel() * p.element_size() for m in ours.modules() if hasattr(m, "has_gate")
+                     for n, p in m.named_parameters() if n.endswith("proj"))
+    assert kernel.quantize_experts(ours, dtype) == num_experts_modules
+    assert _dequantized_into(eager, ours) == num_experts_modules
+    quantized = [p for m in ours.modules() if hasattr(m, "has_gate") for n, p in m.named_parameters() if n.endswith("proj")]
+    assert {p.dtype for p in quantized} == {dtype} and not any(p.requires_grad for p in quantized)
+    assert sum(p.numel() * p.element_size() for p in quantized) * 4 == full_bytes  # a byte per fp32 weight
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = eager(ids).logits
+        torch.testing.assert_close(ours(ids).logits, want, rtol=0, atol=1e-4)
+        kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids[:1], **kwargs), eager.generate(ids[:1], **kwargs))
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(ours, fullgraph=True, dynamic=False)(ids).logits, want,
+                                   rtol=0, atol=1e-4)
+
+
+def test_quantized_experts_without_their_scales_are_named():
+    """A quantized weight without its scales, or with scales of the wrong shape: an error naming
+    the module's tensor, before any kernel runs."""
+    ours, _, _ = _models("qwen3_moe")
+    ragged_dot.quantize_experts(ours)
+    experts = next(m for m in ours.modules() if hasattr(m, "down_proj_scale_inv"))
+    ids = torch.randint(2, 128, (1, 4), generator=torch.Generator().manual_seed(1))
+    scale = experts.down_proj_scale_inv
+    experts.down_proj_scale_inv = torch.nn.Parameter(scale[:, :-1], requires_grad=False)
+    with torch.no_grad(), pytest.raises(ValueError, match="down_proj_scale_inv must be float32"):
+        ours(ids)
+    del experts.down_proj_scale_inv
+    with torch.no_grad(), pytest.raises(ValueError, match="need gate_up_proj_scale_inv and down_proj_scale_inv"):
+        ours(ids)
