@@ -260,8 +260,8 @@ def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs
                          f"with {scale_name}")
     if rhs_scale is None:
         if quantized:
-            raise ValueError(f"{rhs_name} is {rhs.dtype}: {scale_name} (float32 [G, N], its per-output-channel "
-                             "scales) is required")
+            raise ValueError(f"{rhs_name} is {rhs.dtype}: {scale_name} (its float32 scales, per output channel or "
+                             f"per {SCALE_BLOCK} x {SCALE_BLOCK} block) is required")
         return
     per_channel = (rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])
     per_block = (rhs.shape[0], *(-(-d // SCALE_BLOCK) for d in rhs.shape[1:]))

@@ -205,7 +205,8 @@ def test_headline_baselines_do_the_same_work():
     args = (data(hidden, 1.0), index, jnp.asarray(rng.random(weights.shape), jnp.bfloat16),
             data(up, 256 ** -0.5), data(down, 128 ** -0.5))
     impls = headline.implementations(h, np.asarray(index), "v6e", interpret=True)
-    want = np.asarray(impls.pop("ours")(*args), np.float32)
+    ours = impls.pop("ours")
+    want = np.asarray(ours(*args), np.float32)
     scale = np.abs(want).max()
     for name, fn in impls.items():
         # bf16 outputs of the same sums: a few bf16 roundings of the largest value.
@@ -217,6 +218,15 @@ def test_headline_baselines_do_the_same_work():
         for shard in range(headline.CHIPS)]
     total = np.sum([np.asarray(part, np.float32) for part in shares], axis=0)
     np.testing.assert_allclose(total, want, atol=4 * 2**-8 * scale, err_msg="expert-parallel shares")
+    # The quantized rows are ours on the same layer with a byte per weight: weights of eighths stored as
+    # their multiples of 1/8 (exact in int8 and fp8 at these sizes) with every scale 1/8.
+    for impl, (dtype, per_block) in headline.QUANTIZED.items():
+        fn, specs = headline.quantized(h, (hidden, index, weights, up, down), "v6e", dtype, per_block, interpret=True)
+        stored = [jnp.clip(jnp.round(w.astype(jnp.float32) * 8), -15, 15) for w in args[3:]]
+        eighths = [(x / 8).astype(jnp.bfloat16) for x in stored]
+        scales = [jnp.full(spec.shape, 1 / 8, jnp.float32) for spec in specs[5:]]
+        got = fn(*args[:3], *(x.astype(dtype) for x in stored), *scales)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ours(*args[:3], *eighths), np.float32), atol=4 * 2**-8 * scale, err_msg=impl)
 
 
 def test_each_process_compiles_into_its_own_dump_directory():
