@@ -28,7 +28,7 @@ import math
 
 from ._shared.attention_math import LANES
 from ._shared.generations import GENERATIONS
-from ._shared.tuning import round_up
+from ._shared.tuning import cut_for, round_up, widest_held
 from .kernel import BlockSizes
 from .tuned_blocks import TUNED  # generation -> {table_key: (query rows, keys)}
 
@@ -138,12 +138,12 @@ def choose_blocks(num_q: int, num_k: int, head_dim: int, value_dim: int, groups:
         d, g, t = table_key(num_q, head_dim, value_dim, groups)
         # A key the table lacks takes the entry of the widest narrower head_dim it holds at the same
         # G and length (or the rule), cut below: a wide head_dim may be tuned at some G only.
-        held = [x for x in TUNED_HEAD_DIMS if x <= d and (x, g, t) in tuned]
+        held = widest_held(TUNED_HEAD_DIMS, d, lambda x: (x, g, t) in tuned)
         if held:
-            rated_dim = held[-1]
-            rows, keys, *scheduled = tuned[(rated_dim, g, t)]
+            rated_dim = held
+            rows, keys, *scheduled = tuned[(held, g, t)]
             lp_kernels = scheduled[0] if scheduled else ()
-    cut = -(-max(head_dim, value_dim) // rated_dim)
+    cut = cut_for(max(head_dim, value_dim), rated_dim)
     if cut > 1:
         # Wider heads than its blocks were rated at: blocks cut so that a block's query, key and
         # value tiles and accumulators take the VMEM they were rated at (uncut, the d256 entry's

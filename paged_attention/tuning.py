@@ -19,6 +19,7 @@ import math
 
 import jax.numpy as jnp
 
+from ._shared.tuning import cut_for, widest_held
 from .kernel import BlockSizes
 from .tuned_blocks import TUNED  # generation -> {table_key: (decode keys, prefill query rows, prefill keys)}
 
@@ -65,9 +66,9 @@ def _entry(generation: str, head_dim: int, page_size: int, cache_dtype, window: 
     # A key the table lacks takes the entry of the widest narrower head_dim it holds (or the rule,
     # made for head dims up to RULE_HEAD_DIM), cut so that a block's query, accumulator and K/V
     # buffers take the VMEM they take there: Gemma 4's 512 where it is not tuned yet.
-    held = [x for x in TUNED_HEAD_DIMS if x <= d and (x, page_size, dtype) in table]
-    decode_keys, rows, keys = table[(held[-1], page_size, dtype)] if held else RULE
-    cut = -(-head_dim // (held[-1] if held else RULE_HEAD_DIM))
+    held = widest_held(TUNED_HEAD_DIMS, d, lambda x: (x, page_size, dtype) in table)
+    decode_keys, rows, keys = table[(held, page_size, dtype)] if held else RULE
+    cut = cut_for(head_dim, held or RULE_HEAD_DIM)
     if cut > 1:
         decode_keys, rows, keys = (max(x // cut, page_size) for x in (decode_keys, rows, keys))
     if window:

@@ -23,6 +23,18 @@ def lookup(
     return entry if entry is not None else rule()
 
 
+def widest_held(head_dims, head_dim: int, held: Callable[[int], bool]) -> int | None:
+    """The widest of a table's `head_dims` up to `head_dim` for which it holds an entry (`held`), or
+    None. A wider head than that entry was rated at takes its blocks cut by the ratio of head dims
+    (`cut_for`), so that a block's tiles and accumulators take the VMEM they were rated at."""
+    return max((d for d in head_dims if d <= head_dim and held(d)), default=None)
+
+
+def cut_for(head_dim: int, rated_head_dim: int) -> int:
+    """By how much blocks rated at `rated_head_dim` are divided for a `head_dim`-wide head."""
+    return -(-head_dim // rated_head_dim)
+
+
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
