@@ -41,6 +41,16 @@ RUN_ELSEWHERE = {
     ("gated_delta_rule", 0): "tests/offline_get_kernel.py (get_kernel test): against transformers' reference",
     ("gated_delta_rule", 1): "tests/test_gated_delta_rule_models.py: the card's block on tiny Qwen3.5 models",
 }
+# Paragraphs with no check of their own: (document, block, paragraph) -> the check that covers them.
+IMPORTS = "imports: the next paragraph's check"
+SETUP = {
+    ("README", 0, 0): IMPORTS, ("ragged_dot", 0, 0): IMPORTS, ("flash_attention", 0, 0): IMPORTS,
+    ("flash_attention", 1, 0): IMPORTS, ("paged_attention", 0, 0): IMPORTS, ("paged_attention", 1, 0): IMPORTS,
+    ("paged_attention", 2, 0): "ops taken from the module: the next paragraph's calls and their check",
+    ("paged_attention", 3, 0): IMPORTS,
+    ("paged_attention", 3, 1): "the caches in the kernels' layout: paragraph 3's check of the layout kept",
+    ("paged_attention", 3, 2): "the serving step: paragraph 3's check of its outputs",
+}
 LOGIT_TOLERANCE = 2e-5  # of the largest logit: fp32, our kernels change only the summation order
 
 
@@ -95,6 +105,22 @@ def check_logits(model, checkpoints, name):
     assert (got - want).abs().max() <= LOGIT_TOLERANCE * want.abs().max(), name
 
 
+def check_quantized(model, checkpoints, name):
+    """The model's experts a byte per weight, its logits those of the same checkpoint on eager code
+    with the experts' weights dequantized (fp32: only the summation order differs)."""
+    import test_transformers_models
+
+    experts = [m for m in model.modules() if hasattr(m, "down_proj_scale_inv")]
+    assert experts and all(m.down_proj.dtype == torch.int8 for m in experts)
+    eager = AutoModelForCausalLM.from_pretrained(checkpoints[name], attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    assert test_transformers_models._dequantized_into(eager, model) == len(experts)
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model.eval()(ids).logits, eager(ids).logits
+    assert (got - want).abs().max() <= LOGIT_TOLERANCE * want.abs().max(), name
+
+
 def paged_inputs(as_jax=False, kv_heads=paged_torch.HKV, dtype=torch.float32, zero_caches=False):
     """vLLM's two calls' inputs (test_paged_attention_torch's batch: decode, chunked prefill and
     prefill sequences past padding), each query token's key and value to write at its slot (-1 for
@@ -144,6 +170,8 @@ def run_paragraph(doc, block, index, code, ns, checkpoints) -> bool:
     if key in {("README", 0, 1), ("ragged_dot", 0, 1)}:
         check = lambda: (check_logits(ns["model"], checkpoints, "Qwen/Qwen3-30B-A3B"),
                          assert_implementation(ns["model"], "experts", "tpu_ragged_dot"))
+    elif key == ("ragged_dot", 1, 0):
+        check = lambda: check_quantized(ns["model"], checkpoints, "Qwen/Qwen3-30B-A3B")
     elif key in {("README", 0, 2), ("flash_attention", 0, 1)}:
         check = lambda: (check_logits(ns["model"], checkpoints, "Qwen/Qwen3-8B"),
                          assert_implementation(ns["model"], "attn", flash_repo))
@@ -208,8 +236,9 @@ def test_every_python_block_runs_as_written(docs, checkpoints, doc):
     for b, block in enumerate(blocks):
         if (doc, b) in RUN_ELSEWHERE:
             continue
-        checked = [run_paragraph(doc, b, i, code, ns, checkpoints) for i, code in enumerate(paragraphs(block))]
-        if not any(checked):
-            unchecked.append(b)
-    # A block nothing checks (a new one) fails here until it has a check or names its test.
-    assert blocks and not unchecked, f"{doc}: blocks {unchecked} have no check"
+        for i, code in enumerate(paragraphs(block)):
+            if not run_paragraph(doc, b, i, code, ns, checkpoints) and (doc, b, i) not in SETUP:
+                unchecked.append((b, i))
+    # A paragraph nothing checks (a new one, or one that moved) fails here until it has a check or
+    # names the check that covers it.
+    assert blocks and not unchecked, f"{doc}: (block, paragraph) {unchecked} have no check"
