@@ -189,9 +189,9 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         if tensors[name].dtype != hidden_states.dtype:
             raise TypeError(f"{name} dtype {tensors[name].dtype} must match hidden_states' dtype {hidden_states.dtype}")
     if quantized:  # scales' shapes and dtypes, named as the module holds them
+        spec = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), _JAX_DTYPES[t.dtype])
         for weight, scale, names in ((up, up_scale, ("hidden_states", up_name, up_name + SCALE_SUFFIX)),
                                      (down, down_scale, ("hidden_states", "down_proj", "down_proj" + SCALE_SUFFIX))):
-            spec = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), _JAX_DTYPES[t.dtype])
             ops.check_rhs_scale(_JAX_DTYPES[hidden_states.dtype], spec(weight), spec(scale),
                                 not layout["transposed"], names)
     num_experts = up.shape[0]
@@ -238,7 +238,8 @@ def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8) ->
         out_axis = 2 if getattr(module, "is_transposed", False) else 1
         for name in names:
             weight = getattr(module, name).float()
-            scale = weight.abs().amax(dim=3 - out_axis).clamp(min=torch.finfo(torch.float32).tiny) / _QUANTIZED_MAX[dtype]
+            # An all-zero channel keeps a normal scale (and quantizes to zeros).
+            scale = (weight.abs().amax(dim=3 - out_axis) / _QUANTIZED_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
             q = weight / scale.unsqueeze(3 - out_axis)
             q = q.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else q.to(dtype)
             setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
