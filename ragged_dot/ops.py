@@ -34,7 +34,8 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
     itemsize = jnp.dtype(lhs.dtype).itemsize
-    blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs)
+    blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs,
+                                     weight_itemsize=rhs.dtype.itemsize)
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
     out = grouped_matmul(

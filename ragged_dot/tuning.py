@@ -276,11 +276,26 @@ def rule_weight_grad_blocks(rows, p, q, groups, generation, itemsize=2) -> Block
                          GENERATIONS[generation].scoped_vmem_default)[0]
 
 
-def choose_blocks(rows, k, n, groups, generation, itemsize=2, *, transpose_rhs: bool) -> BlockSizes:
+# Quantized weights (a byte each) halve the weight stream, so a row tile's MXU passes count: the
+# table was rated with weights of lhs's dtype, whose stream hid row tiles far taller than a group's
+# rows. With a byte per weight, row tiles are cut to this many rows or a group's average rows,
+# whichever is more (MODELED, v6e, int8 weights: Qwen3-30B-A3B's batch-256 gate_up 504 -> 307 us,
+# Qwen3.5-35B-A3B's 8k-token prefill gate_up 1002 -> 845 us; no row where it was slower).
+QUANTIZED_MAX_BLOCK_M = 256
+
+
+def choose_blocks(rows, k, n, groups, generation, itemsize=2, *, transpose_rhs: bool,
+                  weight_itemsize: int | None = None) -> BlockSizes:
     """Blocks of the grouped matmul [rows, K] x weights [G, K, N] (stored
-    [G, N, K] when `transpose_rhs`)."""
-    return lookup(TUNED, generation, (rows, k, n, groups, itemsize),
-                  lambda: rule_blocks(rows, k, n, groups, generation, itemsize, transpose_rhs=transpose_rhs))
+    [G, N, K] when `transpose_rhs`); `itemsize` lhs's, `weight_itemsize` the
+    weights' (None: the same)."""
+    blocks = lookup(TUNED, generation, (rows, k, n, groups, itemsize),
+                    lambda: rule_blocks(rows, k, n, groups, generation, itemsize, transpose_rhs=transpose_rhs))
+    if weight_itemsize == 1:
+        cap = max(QUANTIZED_MAX_BLOCK_M, 1 << (max(1, -(-rows // groups)) - 1).bit_length())
+        if blocks.block_m > cap:
+            blocks = dataclasses.replace(blocks, block_m=cap)
+    return blocks
 
 
 def choose_weight_grad_blocks(rows, p, q, groups, generation, itemsize=2) -> BlockSizes:
