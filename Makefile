@@ -63,6 +63,7 @@ check-tuned: $(STAMP) ## compiles every shipped tuning entry (hours)
 
 check-compile: $(STAMP) ## every compile case of ragged_dot, flash and paged attention and the gated delta rule (about an hour)
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_ragged_dot_tpu.py tests/test_flash_attention_tpu.py tests/test_paged_attention_tpu.py -q
+	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_paged_bench.py -q -k tpu7x
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_gated_delta_rule.py -q -k compiles
 
 publish: $(STAMP) ## uploads build/ to the Hub (needs a token; PUBLISH_ARGS=--dry-run prints what it would do)

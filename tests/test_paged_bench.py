@@ -2,6 +2,7 @@
 libtpu, their schedules read, the bytes counted, the report written with its goals."""
 
 import json
+import os
 import types
 
 import numpy as np
@@ -12,6 +13,10 @@ import paged_bench
 import tpu_schedule
 from paged_attention import tuning
 from runtime.generations import GENERATIONS
+
+# The per-generation checks below compile on v6e in `make test` (minutes of libtpu each);
+# `make check-compile` (CHECK_ALL_COMPILES=1) adds tpu7x.
+BENCHED = ["v6e"] + (["tpu7x"] if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 
 
 def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path, monkeypatch):
@@ -87,7 +92,7 @@ def test_jax_paged_attention_runs_one_prefetch_per_step():
     assert cycles.tolist() == [300, 1000 - 12, 1000 - 312, 300, 1000 - 612]
 
 
-@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("generation", BENCHED)
 def test_profiled_anchors_move_what_their_copies_say(generation):
     """The anchors whose loops run as their data says, profiled on a small decode batch and mapped
     onto their compiled loops and branches (libtpu lays them out differently per generation: on
@@ -116,7 +121,7 @@ def test_profiled_anchors_move_what_their_copies_say(generation):
         assert no_sinks["error"] == "n/a: no sinks"
 
 
-@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("generation", BENCHED)
 def test_our_page_loops_count_each_trip(generation):
     """Our kernel copies and waits for a chunk's pages in loops of as many trips as the chunk has
     pages to copy (its profile counts them): on the same grid (one chunk per sequence, the default
