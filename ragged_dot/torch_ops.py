@@ -7,7 +7,8 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import as_int32_index, check_same_device, check_tensor, jax_custom_op, values_on_host
+from ._shared.bridge import (as_int32_index, check_same_device, check_tensor, jax_custom_op, torch_dtype_to_jax,
+                             values_on_host)
 from ._shared.tuning import bucket_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -189,10 +190,10 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         if tensors[name].dtype != hidden_states.dtype:
             raise TypeError(f"{name} dtype {tensors[name].dtype} must match hidden_states' dtype {hidden_states.dtype}")
     if quantized:  # scales' shapes and dtypes, named as the module holds them
-        spec = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), _JAX_DTYPES[t.dtype])
+        spec = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), torch_dtype_to_jax(t.dtype))
         for weight, scale, names in ((up, up_scale, ("hidden_states", up_name, up_name + SCALE_SUFFIX)),
                                      (down, down_scale, ("hidden_states", "down_proj", "down_proj" + SCALE_SUFFIX))):
-            ops.check_rhs_scale(_JAX_DTYPES[hidden_states.dtype], spec(weight), spec(scale),
+            ops.check_rhs_scale(torch_dtype_to_jax(hidden_states.dtype), spec(weight), spec(scale),
                                 not layout["transposed"], names)
     num_experts = up.shape[0]
     index = as_int32_index(top_k_index, "top_k_index", 0, num_experts)
@@ -214,8 +215,6 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return out[:tokens] if pad else out
 
 
-_JAX_DTYPES = {torch.float32: jax.numpy.float32, torch.bfloat16: jax.numpy.bfloat16, torch.float16: jax.numpy.float16,
-               torch.int8: jax.numpy.int8, torch.float8_e4m3fn: jax.numpy.float8_e4m3fn}
 _QUANTIZED_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 

@@ -41,7 +41,7 @@ BACKWARD_OPS: dict[str, typing.Any] = {}
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
 
 
-def _torch_dtype_to_jax(dtype: torch.dtype):
+def torch_dtype_to_jax(dtype: torch.dtype):
     return jnp.dtype(str(dtype).removeprefix("torch."))
 
 
@@ -206,7 +206,7 @@ class _Runner:
     def fake(self, *args):
         """Output shapes from jax.eval_shape of the same function."""
         specs = [
-            jax.ShapeDtypeStruct(tuple(a.shape), _torch_dtype_to_jax(a.dtype)) if isinstance(a, torch.Tensor) else a
+            jax.ShapeDtypeStruct(tuple(a.shape), torch_dtype_to_jax(a.dtype)) if isinstance(a, torch.Tensor) else a
             for a in args
         ]
         statics = {i: specs[i] for i in self.static}
