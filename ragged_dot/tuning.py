@@ -279,8 +279,7 @@ def rule_weight_grad_blocks(rows, p, q, groups, generation, itemsize=2) -> Block
 # Quantized weights (a byte each) halve the weight stream, so a row tile's MXU passes count: the
 # table was rated with weights of lhs's dtype, whose stream hid row tiles far taller than a group's
 # rows. With a byte per weight, row tiles are cut to this many rows or a group's average rows,
-# whichever is more (MODELED, v6e, int8 weights: Qwen3-30B-A3B's batch-256 gate_up 504 -> 307 us,
-# Qwen3.5-35B-A3B's 8k-token prefill gate_up 1002 -> 845 us; no row where it was slower).
+# whichever is more (the modeled headline rows: faster where it cut, slower nowhere).
 QUANTIZED_MAX_BLOCK_M = 256
 
 
