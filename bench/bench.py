@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from runtime.generations import GENERATIONS  # noqa: E402
 
+import charts  # noqa: E402
 import pipeline  # noqa: E402
 
 
@@ -570,56 +571,6 @@ def roofline_why(r: dict) -> str:
             f"{r['around_us']:.0f} us ({r['rows'] / r['active_groups']:.0f} rows per active group)")
 
 
-def write_charts(results: list[dict], out: Path) -> list[Path]:
-    """One figure per generation: heatmaps of ours / best anchor and ours /
-    roofline by model (rows) and phase, matmul and pass (columns), log
-    colour scale centred on 1. MODELED figures."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-    from matplotlib.ticker import NullFormatter
-
-    ours = [r for r in results if r["impl"] == "ours" and "modeled_us" in r]
-    written = []
-    for generation in GENERATIONS:
-        rows = [r for r in ours if r["generation"] == generation]
-        if not rows:
-            continue
-        models = [s.model for s in MOE_SHAPES if any(r["model"] == s.model for r in rows)]
-        columns = [(p, m, ps) for p in PHASES for m in ("gate_up", "down") for ps in PASSES
-                   if any((r["phase"], r["matmul"], r["pass_"]) == (p, m, ps) for r in rows)]
-        fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.75 * len(columns) + 3), 2 * (0.5 * len(models) + 1.6)))
-        for ax, key, title in ((axes[0], "ratio_vs_best_anchor", "ours / best anchor"),
-                               (axes[1], "vs_roofline", "ours / roofline")):
-            grid = np.full((len(models), len(columns)), np.nan)
-            for r in rows:
-                if key in r:
-                    grid[models.index(r["model"]), columns.index((r["phase"], r["matmul"], r["pass_"]))] = r[key]
-            finite = grid[np.isfinite(grid)]
-            span = max(2.0, float(np.nanmax(np.abs(np.log(finite)))) if finite.size else 2.0)
-            norm = LogNorm(vmin=np.exp(-span) if key != "vs_roofline" else 1.0, vmax=np.exp(span))
-            image = ax.imshow(grid, cmap="RdYlGn_r", norm=norm, aspect="auto")
-            for (i, j), value in np.ndenumerate(grid):
-                ax.text(j, i, "n/a" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=8)
-            ax.set_yticks(range(len(models)), models, fontsize=9)
-            labels = ["\n".join([*p.replace("-", "- ").split(" "), f"{m} {ps}"]) for p, m, ps in columns]
-            ax.set_xticks(range(len(columns)), labels, fontsize=8)
-            ax.set_title(f"{title} (lower is better)", fontsize=10)
-            bar = fig.colorbar(image, ax=ax, fraction=0.03)
-            bar.ax.yaxis.set_minor_formatter(NullFormatter())
-            ticks = [t for t in (0.125, 0.25, 0.5, 1, 1.25, 2, 4, 8, 16) if norm.vmin <= t <= norm.vmax]
-            bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
-        fig.suptitle(f"ragged_dot on {generation}: MODELED from the compiled schedule, not measured", fontsize=11)
-        fig.tight_layout()
-        path = out / f"ragged_dot_{generation}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
 def run_on_tpu(shapes, phases, repeats: int = 20) -> list[dict]:
     """Wall-clock times on a real TPU (run this on a TPU VM)."""
     import torch  # torch_tpu must autoload: do not set TORCH_DEVICE_BACKEND_AUTOLOAD=0 for --tpu
@@ -684,7 +635,7 @@ def main(argv=None) -> int:
 
     if args.merge:
         write()
-        write_charts(results.rows, args.out)
+        charts.write("ragged_dot", results.rows, args.out)
         return 0
 
     if args.tpu:
@@ -702,7 +653,7 @@ def main(argv=None) -> int:
         results.put(*bench_one(shape, phase, matmul, pass_name, generation, compile_check=not args.no_compile,
                                only=args.impls), save=False)
         write()
-    write_charts(results.rows, args.out)
+    charts.write("ragged_dot", results.rows, args.out)
     print(f"wrote {args.out / 'ragged_dot.md'}, .json and a chart per generation: MODELED figures, not TPU "
           "measurements")
     return 0

@@ -31,6 +31,7 @@ from harness import BENCH  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import charts  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
 
 
@@ -440,7 +441,8 @@ def main(argv=None) -> int:
         results.put(*bench_one(shape, tokens, pass_name, generation, args.impls))
         write_markdown(results.rows, args.out / "flash_attention.md")
     write_markdown(results.rows, args.out / "flash_attention.md")
-    print(f"wrote {args.out / 'flash_attention.md'}: MODELED figures, not TPU measurements")
+    charts.write("flash_attention", results.rows, args.out)
+    print(f"wrote {args.out / 'flash_attention.md'} and a chart per generation: MODELED figures, not TPU measurements")
     return 0
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from flash_bench import AttentionShape  # noqa: E402  (options: ragged_paged_attention's keywords here)
+import charts  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
 
 KERNEL_NAME = "ragged_paged_attention"
@@ -546,7 +547,8 @@ def main(argv=None) -> int:
                           f"{cache}: {row.get('modeled_us', row.get('error'))}", flush=True)
                     results.put(row)
                     write_markdown(results.rows, args.out / "paged_attention.md")
-    print(f"wrote {args.out / 'paged_attention.md'}: MODELED figures, not TPU measurements")
+    charts.write("paged_attention", results.rows, args.out)
+    print(f"wrote {args.out / 'paged_attention.md'} and a chart per generation: MODELED figures, not TPU measurements")
     return 0
 
 

@@ -3,6 +3,7 @@
 For each kernel in the manifest, writes build/<repo>/:
   build.toml                      the Hub builder's manifest for this repo
   README.md                       the kernel's card (from <folder>/CARD.md)
+  media/                          the card's charts (bench/results/<folder>_<generation>.png)
   build/torch-tpu/                the package + metadata.json
   build/torch-universal/          the same package again: kernels 0.17.2
                                   picks torch-tpu only when torch.backends.tpu
@@ -131,8 +132,23 @@ def build_kernel(kernel: dict, out_root: Path) -> Path:
     (tree / "build.toml").write_text(_hub_build_toml(kernel))
     card = (REPO_ROOT / kernel["folder"] / "CARD.md").read_text()
     (tree / "README.md").write_text(front_matter(kernel) + card.format(
-        repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"]))
+        repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"],
+        charts=chart_links(kernel, tree / "media")))
     return tree
+
+
+def chart_links(kernel: dict, media: Path) -> str:
+    """The bench's charts of the kernel, one per generation, copied into the tree's media/: the
+    card's Markdown images of them (relative links, which the Hub resolves in the card's repo)."""
+    from runtime.generations import GENERATIONS
+
+    charts = [REPO_ROOT / "bench" / "results" / f"{kernel['folder']}_{g}.png" for g in GENERATIONS]
+    lines = []
+    for chart in (c for c in charts if c.exists()):
+        media.mkdir(exist_ok=True)
+        shutil.copyfile(chart, media / chart.name)
+        lines.append(f"![{chart.stem.replace('_', ' ')}, MODELED](media/{chart.name})")
+    return "\n".join(lines)
 
 
 def front_matter(kernel: dict) -> str:

@@ -1,6 +1,6 @@
 """Uploads the built Hub repo trees (`make publish`; `--dry-run` only prints).
 
-Each kernel goes to a Hub repo of type "kernel": its card to `main`, its
+Each kernel goes to a Hub repo of type "kernel": its card and charts to `main`, its
 tree to branch `v<version>`, the branch `get_kernel(..., version=N)` reads.
 Needs a token (HF_TOKEN or `hf auth login`) unless --dry-run.
 """
@@ -23,8 +23,9 @@ def operations(trees: dict[str, Path]) -> list[tuple[str, dict]]:
         common = dict(repo_id=repo_id, repo_type="kernel")
         ops += [
             ("create_repo", dict(**common, exist_ok=True)),
-            ("upload_file", dict(**common, path_or_fileobj=str(tree / "README.md"), path_in_repo="README.md",
-                                 revision="main", commit_message="Update card")),
+            # The card and the charts it shows (media/), which the Hub resolves on main.
+            ("upload_folder", dict(**common, folder_path=str(tree), allow_patterns=["README.md", "media/*"],
+                                   revision="main", commit_message="Update card")),
             ("create_branch", dict(**common, branch=branch, exist_ok=True)),
             # The branch becomes the tree: files the tree no longer has are deleted in the same commit.
             ("upload_folder", dict(**common, folder_path=str(tree), revision=branch, delete_patterns="*",

@@ -48,6 +48,12 @@ def test_tree_layout_and_metadata(built, key):
     assert card.startswith("---\n") and f"license: {kernel['license']}\n" in meta
     assert all(f"  - {tag}\n" in meta for tag in ["kernel", "tpu", "pallas", *kernel["tags"]])
     assert "tpu_generations: [v5e, v5p, v6e, tpu7x]\n" in meta and f"dtypes: [{', '.join(kernel['dtypes'])}]" in meta
+    # The bench's charts of the kernel: in the tree's media/ and shown by the card, every one.
+    charts = sorted((REPO / "bench" / "results").glob(f"{kernel['folder']}_*.png"))
+    assert sorted(p.name for p in (tree / "media").glob("*")) == [c.name for c in charts]
+    assert sorted(re.findall(r"!\[[^]]*\]\(media/([^)]+)\)", card)) == [c.name for c in charts]
+    if key != "gated_delta_rule":  # no anchors benched yet: no chart
+        assert charts
     for variant in build_collection.VARIANTS:
         meta = json.loads((tree / "build" / variant / "metadata.json").read_text())
         assert meta["name"] == kernel["repo"] and meta["python-depends"] == []
@@ -93,13 +99,14 @@ def test_publish_dry_run(built, capsys, tmp_path):
     assert publish.main(["--dry-run", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     methods = [line.split()[0] for line in lines]
-    assert methods == ["create_repo", "upload_file", "create_branch", "upload_folder"] * len(KERNELS)
+    assert methods == ["create_repo", "upload_folder", "create_branch", "upload_folder"] * len(KERNELS)
     assert all("repo_type=kernel" in line for line in lines)
     manifest = build_collection.load_manifest()["kernels"]
     for key, first in zip(KERNELS, range(0, len(lines), 4)):  # card on main, then the v<version> branch
         branch = f"v{manifest[key]['version']}"
         assert f"repo_id={manifest[key]['repo-id']}" in lines[first]
-        assert "revision=main" in lines[first + 1] and f"branch={branch}" in lines[first + 2]
+        assert "revision=main" in lines[first + 1] and "allow_patterns=['README.md', 'media/*']" in lines[first + 1]
+        assert f"branch={branch}" in lines[first + 2]
         assert f"revision={branch}" in lines[first + 3] and "delete_patterns=*" in lines[first + 3]
         # Nothing else is written: earlier versions' branches stay as published, still loadable.
         assert set(re.findall(r"(?:revision|branch)=(\S+)", "\n".join(lines[first:first + 4]))) == {"main", branch}
