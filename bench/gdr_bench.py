@@ -162,6 +162,8 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "counted). `floor`: a decode step's states read and written once plus q, k, v, o, at full HBM",
         "bandwidth.",
         "",
+        "## Every row",
+        "",
         "| case | gen | impl | VMEM MiB | grid steps | compute us | DMA us | around us | modeled us "
         "| MXU % | floor us | modeled / floor |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -290,6 +290,32 @@ def row_order(r: dict) -> tuple:
             else 9, r["tokens"], impl_order.index(r["impl"]) if r["impl"] in impl_order else 9)
 
 
+def quantized_section(rows: list[dict], ours: dict) -> list[str]:
+    """The quantized rows against ours in bf16: a row per (model, batch), a column per generation and
+    format."""
+    kinds = {impl: f"{'int8' if jnp.issubdtype(dtype, jnp.integer) else 'fp8'} per {'block' if per_block else 'channel'}"
+             for impl, (dtype, per_block) in QUANTIZED.items()}
+    ratio = {(r["model"], r["tokens"], r["generation"], r["impl"]): r["modeled_us"] / ours[key]
+             for r in rows if r["impl"] in QUANTIZED and "error" not in r
+             and (key := (r["model"], r["generation"], r["tokens"])) in ours}
+    columns = [(g, impl) for g in GENERATIONS_RUN for impl in QUANTIZED]
+    lines = [
+        "## Quantized experts: ours with a byte per weight over ours in bf16",
+        "",
+        "Ours on the same layer with its experts' weights stored a byte each with float32 scales (`ragged_dot`'s",
+        "`rhs_scale`: per output channel, or per 128 x 128 block for fp8 e4m3): its modeled time / ours' in",
+        "bf16 at the same model, generation and batch (under 1, quantizing is faster). Not in the verdict,",
+        "which compares bf16 implementations.",
+        "",
+        "| model | batch | " + " | ".join(f"{g} {kinds[impl]}" for g, impl in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for model, tokens in dict.fromkeys((m, t) for m, t, _, _ in ratio):
+        cells = [ratio.get((model, tokens, g, impl)) for g, impl in columns]
+        lines.append(f"| {model} | {tokens} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
+    return lines
+
+
 def write(rows: list[dict]) -> None:
     """headline.md from the results' rows (in `row_order`)."""
     ours = {(r["model"], r["generation"], r["tokens"]): r["modeled_us"] for r in rows
@@ -317,6 +343,7 @@ def write(rows: list[dict]) -> None:
         lines.append(f"| {v['model']} | {v['generation']} | {v['tokens']} | {v['ours_us']:.1f} "
                      f"| {v['ours_us'] / v['floor_us']:.2f} | {v['best_other']}{bound} "
                      f"| {v['best_other_us']:.1f} | {v['ours_us'] / v['best_other_us']:.2f} |")
+    lines += ["", *quantized_section(rows, ours)]
     lines += [
         "",
         "## Every row",

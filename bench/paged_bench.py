@@ -499,10 +499,11 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "data says: each is run on the batch in Pallas's TPU interpreter, its control alone",
         "(bench/kernel_profile.py), to count how often each compiled loop and branch runs and the bytes",
         "its copies move; those copies are taken to overlap its compute entirely (a lower bound).",
+        "Where a goal is NOT met, paged_attention/CARD.md (Not yet) says why.",
         "",
         *goal_lines(rows),
         "",
-        "Where a goal is NOT met, paged_attention/CARD.md (Not yet) says why.",
+        "## Every row",
         "",
         "| model | batch | gen | impl | cache | blocks | VMEM MiB | grid steps | HBM / held | compute us | DMA us "
         "| around us | modeled us | floor us |",

@@ -133,8 +133,23 @@ def build_kernel(kernel: dict, out_root: Path) -> Path:
     card = (REPO_ROOT / kernel["folder"] / "CARD.md").read_text()
     (tree / "README.md").write_text(front_matter(kernel) + card.format(
         repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"],
-        charts=chart_links(kernel, tree / "media")))
+        charts=chart_links(kernel, tree / "media"), results=ResultSections()))
     return tree
+
+
+class ResultSections:
+    """`{results[<file>.md#<heading>]}` in a card: that section of a bench's table in bench/results/
+    (the heading's first words are enough), as the bench last wrote it: the figures a card quotes
+    come from the results, never typed in. A section or file that is not there fails the build."""
+
+    def __getitem__(self, where: str) -> str:
+        name, _, heading = where.partition("#")
+        lines = (REPO_ROOT / "bench" / "results" / name).read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("## ") and line[3:].startswith(heading)]
+        if len(starts) != 1:
+            raise KeyError(f"bench/results/{name} has {len(starts)} sections headed {heading!r}, not one")
+        end = next((i for i in range(starts[0] + 1, len(lines)) if lines[i].startswith("#")), len(lines))
+        return "\n".join(lines[starts[0] + 1:end]).strip()
 
 
 def chart_links(kernel: dict, media: Path) -> str:
