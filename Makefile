@@ -7,18 +7,26 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 .DEFAULT_GOAL := help
 
-.PHONY: help demo test build bench bench-flash bench-paged bench-gdr tune tune-flash tune-paged check-tuned check-compile publish venv clean
+.PHONY: help demo test test-all build bench bench-flash bench-paged bench-gdr tune tune-flash tune-paged check-tuned check-compile publish venv clean
+
+# On x86-64 Linux, PyPI's torch is the CUDA build (gigabytes of GPU libraries a TPU or CPU machine never
+# loads): take the pinned release's CPU build from PyTorch's index first, as torch-tpu's install
+# instructions do (requirements.txt's pin then matches it). One retry: an index this machine cannot
+# reach costs a second, not minutes, and pip falls back to its other sources.
+TORCH_PIN := $(shell grep '^torch==' requirements.txt)
+TORCH_CPU := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(TORCH_PIN)+cpu)
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --progress-bar off --upgrade pip
+	$(if $(TORCH_CPU),$(PY) -m pip install --progress-bar off --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "$(TORCH_CPU)")
+	$(PY) -m pip install --progress-bar off -r requirements.txt
 	touch $(STAMP)
 
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
-	$(PY) -m pip install --quiet -r requirements-bench.txt
+	$(PY) -m pip install --progress-bar off -r requirements-bench.txt
 	# vLLM's TPU kernels, an anchor: without its dependencies (vLLM, a newer jax); the bench loads its files.
-	$(PY) -m pip install --quiet --no-deps tpu-inference==0.32.0
+	$(PY) -m pip install --progress-bar off --no-deps tpu-inference==0.32.0
 	touch $(BENCH_STAMP)
 
 venv: $(STAMP) ## the pinned dependencies in .venv (about a minute)
@@ -29,6 +37,10 @@ demo: $(STAMP) ## builds every kernel, loads it with get_kernel offline, runs ti
 # The tests run the bench's anchors too (tokamax, tpu-inference): they need its requirements.
 test: $(BENCH_STAMP) ## the whole test suite on both cores (about 25 minutes)
 	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25
+
+# make test runs a sample of the slowest parametrized cases (tests/sampling.py says which and why).
+test-all: $(BENCH_STAMP) ## every case of every test, make test's sampled ones included (about an hour and a half on 2 cores)
+	ALL_CASES=1 CHECK_ALL_COMPILES=1 $(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25
 
 build: $(STAMP) ## the Hub repo trees in build/ (seconds)
 	$(PY) kernels/build_collection.py
@@ -63,7 +75,7 @@ check-tuned: $(STAMP) ## compiles every shipped tuning entry (hours)
 
 check-compile: $(STAMP) ## every compile case of ragged_dot, flash and paged attention and the gated delta rule (about an hour)
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_ragged_dot_tpu.py tests/test_flash_attention_tpu.py tests/test_paged_attention_tpu.py -q
-	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_paged_bench.py -q -k tpu7x
+	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_paged_bench.py -q -k "tpu7x or anchors"
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_gated_delta_rule.py -q -k compiles
 
 publish: $(STAMP) ## uploads build/ to the Hub (needs a token; PUBLISH_ARGS=--dry-run prints what it would do)

@@ -13,15 +13,16 @@ from flash_attention._shared.generations import GENERATIONS
 
 # (generation, tokens, Hq, Hkv, D, Dv, dtype, options). `make test` compiles each generation
 # at a small MHA shape (one 512 x 512 block: seconds, where large blocks' unrolled code takes
-# libtpu minutes); `make check-compile` (CHECK_ALL_COMPILES=1) adds Llama-3-8B's attention on
-# every generation, each head dim, f32, every option once and long packed batches.
+# libtpu minutes) and head_dim 256; `make check-compile` (CHECK_ALL_COMPILES=1) adds Llama-3-8B's
+# attention on every generation, each head dim (512 among them), f32, every option once and long
+# packed batches.
 SAMPLE = [(g, 512, 8, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
     # head_dim 256, G = 2: the forward reshapes a block of heads side by side into rows (ops.IN_LANES_MIN_HEAD_DIM).
     ("v5e", 1024, 8, 4, 256, 256, jnp.bfloat16, dict(causal=True, softcap=50.0, window_size=(255, 0))),
-    # head_dim 512 (Gemma 4's global layers, 16 query heads over 2 KV heads): its tuned entry.
-    ("v6e", 512, 16, 2, 512, 512, jnp.bfloat16, dict(causal=True)),
 ]
 MORE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GENERATIONS] + [
+    # head_dim 512 (Gemma 4's global layers, 16 query heads over 2 KV heads): its tuned entry.
+    ("v6e", 512, 16, 2, 512, 512, jnp.bfloat16, dict(causal=True)),
     ("v5e", 1024, 8, 8, 64, 64, jnp.bfloat16, dict(causal=True, sinks=True, window_size=(127, 0))),
     ("v5p", 1024, 8, 2, 80, 80, jnp.bfloat16, dict(causal=True)),
     # MQA on a megacore: each kernel's steps in two halves, one per core; dq in its own kernel.

@@ -234,10 +234,10 @@ def test_backward_passes_the_tpu_interpreter():
         assert _error(got[5][n:n + 1], want[5]) <= GRAD_TOLERANCE, (n, "initial_state")
 
 
-# (generation, tokens, q/k heads, v heads): `make test` compiles two generations at 1024 tokens;
-# `make check-compile` (CHECK_ALL_COMPILES=1) every generation at Qwen3.5's 16 and 32 heads, 8k and
-# 32k tokens.
-TRAINING_COMPILES = [("v5e", 1024, 2, 4), ("tpu7x", 1024, 2, 4)] + (
+# (generation, tokens, q/k heads, v heads): `make test` compiles tpu7x (the smallest VMEM) at 1024
+# tokens; `make check-compile` (CHECK_ALL_COMPILES=1) v5e too, and every generation at Qwen3.5's 16
+# and 32 heads, 8k and 32k tokens.
+TRAINING_COMPILES = [("tpu7x", 1024, 2, 4)] + ([("v5e", 1024, 2, 4)] if os.environ.get("CHECK_ALL_COMPILES") == "1" else []) + (
     [(g, t, 16, 32) for g in GENERATIONS for t in (8192, 32768)] if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 DECODE_COMPILES = ["v5e", "tpu7x"] + (["v5p", "v6e"] if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
 

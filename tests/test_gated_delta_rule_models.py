@@ -30,6 +30,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next
 
 import build_collection
 import seed_models
+from sampling import sample  # noqa: E402
 
 KERNEL = build_collection.load_manifest()["kernels"]["gated_delta_rule"]
 REPO = KERNEL["repo-id"]
@@ -272,6 +273,8 @@ def test_packed_sequence_training_matches_each_sequence_alone(hooked):
         assert relative(ours, name) <= tolerance, (name, relative(ours, name), tolerance)
 
 
+# Sampled (tests/sampling.py): Qwen3.5-MoE, whose layers hold the other two families' (the experts too).
+@pytest.mark.parametrize("hooked", sample(sorted(FAMILIES), {"qwen3_5_moe"}), indirect=True)
 def test_bf16_model_compiles_in_one_graph(hooked):
     """kernelize for torch.compile, then torch.compile(fullgraph=True, dynamic=False) (TorchTPU's
     fast mode) over the bf16 model: our chunked rule and convolution in every linear-attention layer

@@ -173,7 +173,7 @@ def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
 
 
 @pytest.mark.parametrize("generation,tokens",
-                         _cases(EVERY_GENERATION_AND_SIZE, [("v5p", 8192)]))
+                         _cases(EVERY_GENERATION_AND_SIZE, []))  # make test: the two backward compiles below
 def test_experts_backward_compiles_and_fits_vmem(generation, tokens):
     """The training step's kernels: forward, activations' gradient (the same
     kernel, layout flipped) and weights' gradient, all compiled together."""

@@ -17,6 +17,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import build_collection
 import seed_models
+from sampling import sample  # noqa: E402
 
 KERNELS = build_collection.load_manifest()["kernels"]
 ATTENTION = KERNELS["flash_attention"]["repo-id"]
@@ -127,7 +128,9 @@ def test_parameter_gradients_match_eager(hub, seed):
     assert compared > 10
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+# Sampled (tests/sampling.py): Gemma 4 MoE (all three kernels, head_dim 512, k_eq_v), Qwen3.5-MoE
+# (linear attention beside ours, shared experts) and gpt-oss (sinks, biases); the others repeat them.
+@pytest.mark.parametrize("seed", sample(SEEDS, {"gemma4_moe", "qwen3_5_moe", "gpt_oss"}))
 def test_whole_model_compiles_in_one_graph(hub, seed):
     """torch.compile(fullgraph=True, dynamic=False), TorchTPU's fast mode, over the whole bf16 model
     (fp32 breaks the graph in transformers' flash path: it warns that it casts fp32 inputs), our

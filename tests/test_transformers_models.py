@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import ragged_dot
+from sampling import sample  # noqa: E402
 
 IMPL = "ragged_dot_tpu_test"
 CALLS = []
@@ -145,7 +146,9 @@ def hub_experts(tmp_path_factory):
     torch_ops.experts_forward_op = op
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Sampled (tests/sampling.py): Gemma 4 and DeepSeek-V3 are the slowest to compile; tests/test_seed_models.py
+# compiles Gemma 4 with all three kernels.
+@pytest.mark.parametrize("family", sample(sorted(FAMILIES), set(FAMILIES) - {"gemma4", "deepseek_v3"}))
 def test_whole_model_compiles_in_one_graph(family, hub_experts):
     """torch.compile(fullgraph=True, dynamic=False), TorchTPU's fast mode, over the whole model
     with the experts forward loaded by get_kernel from the built tree: one graph (any break
