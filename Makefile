@@ -35,8 +35,9 @@ demo: $(STAMP) ## builds every kernel, loads it with get_kernel offline, runs ti
 	$(PY) kernels/demo.py
 
 # The tests run the bench's anchors too (tokamax, tpu-inference): they need its requirements.
-test: $(BENCH_STAMP) ## the whole test suite on both cores (about 25 minutes)
+test: $(BENCH_STAMP) ## the test suite on both cores, a sample of the slowest cases (about 25 minutes)
 	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25
+	$(PY) kernels/publish.py --tests-passed
 
 # make test runs a sample of the slowest parametrized cases (tests/sampling.py says which and why).
 test-all: $(BENCH_STAMP) ## every case of every test, make test's sampled ones included (about an hour and a half on 2 cores)
@@ -78,7 +79,7 @@ check-compile: $(STAMP) ## every compile case of ragged_dot, flash and paged att
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_paged_bench.py -q -k "tpu7x or anchors"
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_gated_delta_rule.py -q -k compiles
 
-publish: $(STAMP) ## uploads build/ to the Hub (needs a token; PUBLISH_ARGS=--dry-run prints what it would do)
+publish: $(STAMP) ## uploads each kernel's version to the Hub, built from its git tag (a new version: tagged at HEAD, which make test must have passed at); needs a token; PUBLISH_ARGS=--dry-run prints what it would do
 	$(PY) kernels/publish.py $(PUBLISH_ARGS)
 
 clean: ## removes build/ and partial results (seconds)

@@ -27,6 +27,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -184,20 +186,56 @@ def build_all(out_root: Path = REPO_ROOT / "build", only: list[str] | None = Non
 
 def make_hub_cache(trees: dict[str, Path], cache: Path) -> dict[str, str]:
     """Lays the built trees out as the Hub cache `get_kernel` reads offline
-    (`kernels--<org>--<repo>/refs/v<version>` -> snapshots/<commit>/...).
+    (`kernels--<org>--<repo>/refs/v<version>` -> snapshots/<commit>/...), one version per repo.
     The commit is the tree's content digest. Returns repo-id -> commit."""
     kernels = load_manifest()["kernels"]
     commits = {}
     for key, tree in trees.items():
         kernel = kernels[key]
-        commit = _tree_digest(tree)
-        repo_dir = cache / ("kernels--" + kernel["repo-id"].replace("/", "--"))
-        shutil.rmtree(repo_dir, ignore_errors=True)
-        (repo_dir / "refs").mkdir(parents=True)
-        (repo_dir / "refs" / f"v{kernel['version']}").write_text(commit)
-        shutil.copytree(tree, repo_dir / "snapshots" / commit)
-        commits[kernel["repo-id"]] = commit
+        shutil.rmtree(cache / ("kernels--" + kernel["repo-id"].replace("/", "--")), ignore_errors=True)
+        commits[kernel["repo-id"]] = add_to_hub_cache(tree, kernel["repo-id"], kernel["version"], cache)
     return commits
+
+
+def add_to_hub_cache(tree: Path, repo_id: str, version: int, cache: Path) -> str:
+    """One version's tree into the Hub cache, beside the repo's other versions: its commit."""
+    commit = _tree_digest(tree)
+    repo_dir = cache / ("kernels--" + repo_id.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / f"v{version}").write_text(commit)
+    shutil.copytree(tree, repo_dir / "snapshots" / commit, dirs_exist_ok=True)
+    return commit
+
+
+def release_tag(kernel: dict) -> str:
+    """The git tag of the source a kernel's version is published from: `<repo>-v<version>`."""
+    return f"{kernel['repo']}-v{kernel['version']}"
+
+
+def git(*args: str, root: Path = REPO_ROOT) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def tag_commit(tag: str) -> str | None:
+    """The commit a tag names, or None where this clone has no such tag."""
+    found = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", f"{tag}^{{commit}}"],
+                           capture_output=True, text=True)
+    return found.stdout.strip() or None
+
+
+def build_release(tag: str, key: str, out_root: Path) -> Path:
+    """The Hub tree of kernel `key` as published from git tag `tag`: that commit's own sources,
+    manifest and build script (an earlier version is rebuilt as it was, not by today's tools)."""
+    source = out_root / f"{tag}-source"
+    shutil.rmtree(source, ignore_errors=True)
+    source.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", tag], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    subprocess.run([sys.executable, str(source / "kernels" / "build_collection.py"), "--out", str(out_root / tag), key],
+                   check=True, capture_output=True, env=env)
+    repo = tomllib.loads((source / "build.toml").read_text())["kernels"][key]["repo"]
+    return out_root / tag / repo
 
 
 def load_from_hub(keys: list[str], out_root: Path) -> dict:

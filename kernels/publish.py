@@ -3,15 +3,23 @@
 Each kernel goes to a Hub repo of type "kernel": its card and charts to `main`, its
 tree to branch `v<version>`, the branch `get_kernel(..., version=N)` reads.
 Needs a token (HF_TOKEN or `hf auth login`) unless --dry-run.
+
+A published version is built from a git tag, `<repo>-v<version>`, so it can be rebuilt as it
+was: a version whose tag exists is rebuilt from that tag's sources (a change meant for users
+needs a new version in build.toml); a new version is tagged at HEAD, which must be committed
+and have passed `make test` (which records the commit it passed at: `--tests-passed`).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
-from build_collection import REPO_ROOT, build_all, load_manifest
+from build_collection import REPO_ROOT, build_kernel, build_release, git, load_manifest, release_tag, tag_commit
+
+TESTS_PASSED = REPO_ROOT / "build" / "tests-passed"  # the commit `make test` last passed at, clean
 
 
 def operations(trees: dict[str, Path]) -> list[tuple[str, dict]]:
@@ -34,19 +42,73 @@ def operations(trees: dict[str, Path]) -> list[tuple[str, dict]]:
     return ops
 
 
+def head_refusal(stamp: Path = TESTS_PASSED, root: Path = REPO_ROOT) -> str | None:
+    """Why HEAD may not be tagged as a release, or None: uncommitted changes to tracked files, or
+    no `make test` passed at HEAD (as `stamp` records)."""
+    head = git("rev-parse", "HEAD", root=root)
+    if git("status", "--porcelain", "--untracked-files=no", root=root):
+        return "the tree has uncommitted changes: commit them and run make test"
+    passed = stamp.read_text().strip() if stamp.exists() else None
+    if passed != head:
+        return f"make test has not passed at HEAD {head[:12]} (last passed at: {passed[:12] if passed else 'none'})"
+    return None
+
+
+def record_tests_passed(stamp: Path = TESTS_PASSED, root: Path = REPO_ROOT) -> str:
+    """After a passing `make test`: records HEAD as tested, if the tree had no uncommitted change."""
+    try:
+        head, changes = git("rev-parse", "HEAD", root=root), git("status", "--porcelain", "--untracked-files=no", root=root)
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout: nothing recorded"
+    if changes:
+        return "uncommitted changes: the pass is not recorded for publishing"
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(head + "\n")
+    return f"make test passed at {head[:12]}: recorded for make publish"
+
+
+def releases(keys: list[str], out: Path) -> tuple[dict[str, Path], list[str], bool]:
+    """Each kernel's tree to publish, built from its version's tag where the tag exists, else from
+    HEAD (to be tagged); the lines saying which; whether HEAD is to be tagged."""
+    kernels = load_manifest()["kernels"]
+    trees, lines, tags_head = {}, [], False
+    for key in keys:
+        tag = release_tag(kernels[key])
+        commit = tag_commit(tag)
+        if commit:
+            trees[key] = build_release(tag, key, out / "releases")
+            lines.append(f"release {key}: rebuilt from tag {tag} ({commit[:12]})")
+        else:
+            trees[key] = build_kernel(kernels[key], out)
+            lines.append(f"release {key}: new tag {tag} at HEAD")
+            tags_head = True
+    return trees, lines, tags_head
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the operations, upload nothing")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build")
+    parser.add_argument("--tests-passed", action="store_true", help="record HEAD as tested (make test does)")
     parser.add_argument("kernels", nargs="*", help="manifest keys (default: all)")
     args = parser.parse_args(argv)
+    if args.tests_passed:
+        print(record_tests_passed())
+        return 0
 
-    trees = build_all(args.out, args.kernels or None)
+    trees, lines, tags_head = releases(args.kernels or list(load_manifest()["kernels"]), args.out)
+    refusal = head_refusal() if tags_head else None
     ops = operations(trees)
     if args.dry_run:
+        print(*lines, sep="\n")
+        if refusal:
+            print(f"refused: {refusal}")
         for method, kwargs in ops:
             print(method, " ".join(f"{k}={v}" for k, v in kwargs.items()))
         return 0
+    if refusal:
+        print(f"publish refused: {refusal}", file=sys.stderr)
+        return 2
 
     from huggingface_hub import HfApi, get_token
 
@@ -55,9 +117,13 @@ def main(argv=None) -> int:
         print("publish needs a Hugging Face token: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
         return 2
     api = HfApi(token=token)
+    kernels = load_manifest()["kernels"]
+    for key in (k for k in trees if not tag_commit(release_tag(kernels[k]))):
+        git("tag", release_tag(kernels[key]), "HEAD")  # the source of what is uploaded next
     for method, kwargs in ops:
         print(method, kwargs["repo_id"], kwargs.get("revision", kwargs.get("branch", "")), flush=True)
         getattr(api, method)(**kwargs)
+    print("push the new tags: git push --tags")
     return 0
 
 

@@ -70,11 +70,11 @@ def test_tree_layout_and_metadata(built, key):
                     source, line)
 
 
-def _load(cache, key, *flags):
+def _load(cache, key, *flags, version=None):
     kernel = build_collection.load_manifest()["kernels"][key]
     result = subprocess.run(
         [sys.executable, str(TESTS / "offline_get_kernel.py"), str(cache), kernel["repo-id"],
-         str(kernel["version"]), *flags],
+         str(version or kernel["version"]), *flags],
         capture_output=True, text=True, timeout=600,
         env={k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "KERNELS_CACHE")},
     )
@@ -122,9 +122,56 @@ def test_cards_include_the_results_sections_they_name(built):
         build_collection.ResultSections()["headline.md#No such heading"]
 
 
+def test_an_earlier_version_rebuilds_from_its_tag_and_loads_beside_the_current(built, tmp_path):
+    """ragged-dot-tpu version 1, rebuilt from its tag's sources by that commit's own build script,
+    and version 2 from this tree, in one Hub cache: each loads with get_kernel(version=N) and
+    computes. (A clone without tags, `git clone --no-tags`, cannot rebuild a release: skipped.)"""
+    _, cache, commits = built
+    kernel = build_collection.load_manifest()["kernels"]["ragged_dot"]
+    tag = build_collection.release_tag(dict(kernel, version=1))
+    if build_collection.tag_commit(tag) is None:
+        pytest.skip(f"this clone has no tag {tag} (git fetch --tags)")
+    tree = build_collection.build_release(tag, "ragged_dot", tmp_path)
+    assert json.loads((tree / "build" / "torch-universal" / "metadata.json").read_text())["version"] == 1
+    v1 = build_collection.add_to_hub_cache(tree, kernel["repo-id"], 1, cache)
+    assert v1 != commits[kernel["repo-id"]]
+    for version, commit in ((1, v1), (kernel["version"], commits[kernel["repo-id"]])):
+        loaded = _load(cache, "ragged_dot", version=version)
+        assert f"/snapshots/{commit}/build/torch-universal/" in loaded["file"]
+        assert loaded["max_abs_error"] < 1e-3
+
+
+def test_publishing_a_new_version_needs_a_committed_tree_that_passed_make_test(tmp_path):
+    """A git repository of its own: HEAD is publishable only once `make test` recorded a pass at it
+    with nothing uncommitted; a later commit, or an uncommitted change, needs another pass."""
+    git = lambda *args: build_collection.git(*args, root=tmp_path)
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "f").write_text("1")
+    git("add", "f")
+    git("commit", "-qm", "one")
+    stamp = tmp_path / "build" / "tests-passed"
+    assert "has not passed" in publish.head_refusal(stamp, tmp_path)
+    assert "recorded" in publish.record_tests_passed(stamp, tmp_path)
+    assert publish.head_refusal(stamp, tmp_path) is None
+    (tmp_path / "f").write_text("2")
+    assert "uncommitted" in publish.head_refusal(stamp, tmp_path)
+    assert "not recorded" in publish.record_tests_passed(stamp, tmp_path)
+    git("commit", "-qam", "two")
+    assert "has not passed" in publish.head_refusal(stamp, tmp_path)
+
+
 def test_publish_dry_run(built, capsys, tmp_path):
     assert publish.main(["--dry-run", "--out", str(tmp_path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.splitlines()
+    # Each kernel's source first: its version's tag, rebuilt from, or to be made at HEAD.
+    kernels = build_collection.load_manifest()["kernels"]
+    assert [line for line in out if line.startswith("release ")] == [
+        f"release {key}: " + (f"rebuilt from tag {tag} ({commit[:12]})" if commit else f"new tag {tag} at HEAD")
+        for key, tag in ((key, build_collection.release_tag(k)) for key, k in kernels.items())
+        for commit in [build_collection.tag_commit(tag)]]
+    lines = [line for line in out if not line.startswith(("release ", "refused: "))]
     methods = [line.split()[0] for line in lines]
     assert methods == ["create_repo", "upload_folder", "create_branch", "upload_folder"] * len(KERNELS)
     assert all("repo_type=kernel" in line for line in lines)
