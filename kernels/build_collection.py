@@ -26,6 +26,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def load_manifest(path: Path = MANIFEST) -> dict:
             "license": entry.get("license", manifest["collection"]["license"]),
             "repo-id": f"{org}/{entry['repo']}",
             "package": entry["repo"].replace("-", "_"),
+            "source-repo": manifest["collection"].get("source-repo", ""),
         }
     return {"org": org, "kernels": kernels}
 
@@ -133,10 +135,31 @@ def build_kernel(kernel: dict, out_root: Path) -> Path:
         (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     (tree / "build.toml").write_text(_hub_build_toml(kernel))
     card = (REPO_ROOT / kernel["folder"] / "CARD.md").read_text()
-    (tree / "README.md").write_text(front_matter(kernel) + card.format(
-        repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"],
-        charts=chart_links(kernel, tree / "media"), results=ResultSections()))
+    card = card.format(repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"],
+                       charts=chart_links(kernel, tree / "media"), results=ResultSections())
+    (tree / "README.md").write_text(front_matter(kernel) + link_sources(card, kernel["source-repo"],
+                                                                        release_tag(kernel)))
     return tree
+
+
+def link_sources(card: str, source: str, ref: str) -> str:
+    """Each `path` of the source tree a card names (a file or folder) and each `make <target>`
+    (the Makefile) as a link into the source repository at `ref`; code blocks and names that are
+    no path of the tree stay as written, and so does every name when there is no `source`."""
+    if not source:
+        return card
+
+    def link(match):
+        name = match.group(1)
+        path = "Makefile" if re.fullmatch(r"make [a-z-]+", name) else name.rstrip("/")
+        if ("/" not in name and path != "Makefile") or not (REPO_ROOT / path).exists():
+            return match.group(0)
+        kind = "tree" if (REPO_ROOT / path).is_dir() else "blob"
+        return f"[`{name}`]({source.rstrip('/')}/{kind}/{ref}/{path})"
+
+    parts = re.split(r"(```.*?```)", card, flags=re.S)  # odd parts: code blocks
+    return "".join(part if i % 2 else re.sub(r"(?<![\[`])`([^`\n]+)`(?![`\]])", link, part)
+                   for i, part in enumerate(parts))
 
 
 class ResultSections:

@@ -111,6 +111,27 @@ def test_no_figure_is_typed_in(doc):
     assert not TYPED_FIGURE.findall(prose), f"{doc} types in figures: {TYPED_FIGURE.findall(prose)}"
 
 
+@pytest.mark.parametrize("key", KERNELS)
+def test_cards_link_the_files_and_targets_they_name_to_the_source_repository(built, key):
+    """With build.toml's source-repo set, every path of the source tree and every make target a card
+    names in code quotes links to it at the version's release tag; code blocks stay as written. (The
+    URL is empty until the sources are public: the built card names them unlinked.)"""
+    trees, _, _ = built
+    kernel = build_collection.load_manifest()["kernels"][key]
+    card = (trees[key] / "README.md").read_text()
+    assert kernel["source-repo"] or build_collection.link_sources(card, "", "tag") == card
+    source, tag = "https://example.org/owner/name", build_collection.release_tag(kernel)
+    linked = build_collection.link_sources(card, source, tag)
+    assert re.findall(r"```.*?```", linked, re.S) == re.findall(r"```.*?```", card, re.S)
+    links = re.findall(r"\[`([^`]+)`\]\(([^)]+)\)", linked)
+    for name, url in links:
+        path = "Makefile" if name.startswith("make ") else name.rstrip("/")
+        assert url == f"{source}/{'tree' if (REPO / path).is_dir() else 'blob'}/{tag}/{path}", (name, url)
+    unlinked = re.findall(r"(?<![\[`])`([^`\n]+)`(?![`\]])", re.sub(r"```.*?```", "", linked, flags=re.S))
+    assert not [name for name in unlinked if name.startswith("make ") or ("/" in name and (REPO / name).exists())]
+    assert links  # every card names some file or target
+
+
 def test_cards_include_the_results_sections_they_name(built):
     trees, _, _ = built
     for key, kernel in build_collection.load_manifest()["kernels"].items():
