@@ -149,7 +149,7 @@ def test_whole_model_compiles_in_one_graph(hub, seed):
     assert (compiled - exact).abs().mean() <= 2 * eager_error
 
 
-@pytest.mark.parametrize("seed", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("seed", sample(["qwen3_moe", "gpt_oss"], {"gpt_oss"}))  # gpt-oss: sinks, windows, biases
 def test_generate_batch_gives_the_tokens_of_generate(hub, seed):
     """transformers' continuous batching (the varlen entry point, requests packed) against generate
     one prompt at a time, both with our kernels."""
