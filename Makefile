@@ -12,14 +12,14 @@ BENCH_STAMP := $(VENV)/.installed-bench
 # On x86-64 Linux, PyPI's torch is the CUDA build (gigabytes of GPU libraries a TPU or CPU machine never
 # loads): take the pinned release's CPU build from PyTorch's index first, as torch-tpu's install
 # instructions do (requirements.txt's pin then matches it). One retry: an index this machine cannot
-# reach costs a second, not minutes, and pip falls back to its other sources.
+# reach costs a second, not minutes; where no CPU build is found, the next line installs PyPI's torch.
 TORCH_PIN := $(shell grep '^torch==' requirements.txt)
 TORCH_CPU := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(TORCH_PIN)+cpu)
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off --upgrade pip
-	$(if $(TORCH_CPU),$(PY) -m pip install --progress-bar off --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "$(TORCH_CPU)")
+	$(if $(TORCH_CPU),-$(PY) -m pip install --progress-bar off --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "$(TORCH_CPU)")
 	$(PY) -m pip install --progress-bar off -r requirements.txt
 	touch $(STAMP)
 
@@ -29,15 +29,15 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) -m pip install --progress-bar off --no-deps tpu-inference==0.32.0
 	touch $(BENCH_STAMP)
 
-venv: $(STAMP) ## the pinned dependencies in .venv (about a minute)
+venv: $(STAMP) ## the pinned dependencies in .venv (about 2 minutes and 2.7 GB where pip has the wheels at hand)
 
 demo: $(STAMP) ## builds every kernel, loads it with get_kernel offline, runs tiny models with it and compiles for 4 TPU generations (about 5 minutes)
 	$(PY) kernels/demo.py
 
 # The tests run the bench's anchors too (tokamax, tpu-inference): they need its requirements.
 test: $(BENCH_STAMP) ## the test suite on both cores, a sample of the slowest cases (about half an hour)
-	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25
-	$(PY) kernels/publish.py --tests-passed
+	tested=$$(git rev-parse HEAD 2>/dev/null); $(PY) -m pytest tests -q -n 2 --dist worksteal --durations=25 && \
+		$(PY) kernels/publish.py --tests-passed "$$tested"
 
 # make test runs a sample of the slowest parametrized cases (tests/sampling.py says which and why).
 test-all: $(BENCH_STAMP) ## every case of every test, make test's sampled ones included (about an hour and a half on 2 cores)
@@ -74,7 +74,7 @@ check-tuned: $(STAMP) ## compiles every shipped tuning entry (hours)
 	FLASH_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_flash_attention_tpu.py -q -k tuned_entry
 	PAGED_CHECK_ALL_TUNED=1 $(PY) -m pytest tests/test_paged_attention_tpu.py -q -k tuned_entry
 
-check-compile: $(STAMP) ## every compile case of ragged_dot, flash and paged attention and the gated delta rule (about an hour)
+check-compile: $(BENCH_STAMP) ## every compile case of ragged_dot, flash and paged attention and the gated delta rule (about an hour)
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_ragged_dot_tpu.py tests/test_flash_attention_tpu.py tests/test_paged_attention_tpu.py -q
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_paged_bench.py -q
 	CHECK_ALL_COMPILES=1 $(PY) -m pytest tests/test_gated_delta_rule.py -q -k compiles

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -136,30 +137,54 @@ def build_kernel(kernel: dict, out_root: Path) -> Path:
     (tree / "build.toml").write_text(_hub_build_toml(kernel))
     card = (REPO_ROOT / kernel["folder"] / "CARD.md").read_text()
     card = card.format(repo_id=kernel["repo-id"], version=kernel["version"], package=kernel["package"],
-                       charts=chart_links(kernel, tree / "media"), results=ResultSections())
+                       charts=chart_section(kernel, tree / "media"), results=ResultSections())
     (tree / "README.md").write_text(front_matter(kernel) + link_sources(card, kernel["source-repo"],
                                                                         release_tag(kernel)))
     return tree
 
 
+def source_target(name: str) -> str | None:
+    """The file or folder of the source repository that a name quoted in a card stands for: a path
+    git tracks (a folder: one holding tracked files), or the Makefile for `make <target>` of one of
+    its targets; None for any other name."""
+    target = re.fullmatch(r"make ([a-z-]+)", name)
+    if target:
+        makefile = (REPO_ROOT / "Makefile").read_text()
+        return "Makefile" if re.search(rf"^{target.group(1)}:", makefile, re.M) else None
+    path = name.rstrip("/")
+    if "/" not in name or name.startswith("/") or not path:
+        return None
+    tracked = _tracked_files()
+    if tracked is None:  # no git here: what the tree holds
+        return path if (REPO_ROOT / path).exists() else None
+    return path if path in tracked or any(f.startswith(path + "/") for f in tracked) else None
+
+
+@functools.cache
+def _tracked_files() -> frozenset[str] | None:
+    try:
+        return frozenset(git("ls-files").splitlines())
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def link_sources(card: str, source: str, ref: str) -> str:
-    """Each `path` of the source tree a card names (a file or folder) and each `make <target>`
-    (the Makefile) as a link into the source repository at `ref`; code blocks and names that are
-    no path of the tree stay as written, and so does every name when there is no `source`."""
+    """Each name a card quotes in code that stands for a file, folder or make target of the source
+    repository (`source_target`) as a link to it at `ref`; code blocks, names already a link's text
+    and every other name stay as written, and so does every name when there is no `source`."""
     if not source:
         return card
 
     def link(match):
-        name = match.group(1)
-        path = "Makefile" if re.fullmatch(r"make [a-z-]+", name) else name.rstrip("/")
-        if ("/" not in name and path != "Makefile") or not (REPO_ROOT / path).exists():
-            return match.group(0)
+        quoted, name = match.group(0), match.group(1)
+        path = None if quoted.startswith("[") or quoted.endswith("]") else source_target(name)
+        if path is None:
+            return quoted
         kind = "tree" if (REPO_ROOT / path).is_dir() else "blob"
         return f"[`{name}`]({source.rstrip('/')}/{kind}/{ref}/{path})"
 
     parts = re.split(r"(```.*?```)", card, flags=re.S)  # odd parts: code blocks
-    return "".join(part if i % 2 else re.sub(r"(?<![\[`])`([^`\n]+)`(?![`\]])", link, part)
-                   for i, part in enumerate(parts))
+    return "".join(part if i % 2 else re.sub(r"\[?`([^`\n]+)`\]?", link, part) for i, part in enumerate(parts))
 
 
 class ResultSections:
@@ -177,18 +202,23 @@ class ResultSections:
         return "\n".join(lines[starts[0] + 1:end]).strip()
 
 
-def chart_links(kernel: dict, media: Path) -> str:
-    """The bench's charts of the kernel, one per generation, copied into the tree's media/: the
-    card's Markdown images of them (relative links, which the Hub resolves in the card's repo)."""
+def chart_section(kernel: dict, media: Path) -> str:
+    """The card's `{charts}`: the bench's charts of the kernel, one per generation, copied into the
+    tree's media/ and shown (relative links, which the Hub resolves in the card's repo), after the
+    paragraph that says how to read them."""
     from runtime.generations import GENERATIONS
 
-    charts = [REPO_ROOT / "bench" / "results" / f"{kernel['folder']}_{g}.png" for g in GENERATIONS]
-    lines = []
-    for chart in (c for c in charts if c.exists()):
+    charts = [c for g in GENERATIONS if (c := REPO_ROOT / "bench" / "results" / f"{kernel['folder']}_{g}.png").exists()]
+    images = []
+    for chart in charts:
         media.mkdir(exist_ok=True)
         shutil.copyfile(chart, media / chart.name)
-        lines.append(f"![{chart.stem.replace('_', ' ')}, MODELED](media/{chart.name})")
-    return "\n".join(lines)
+        images.append(f"![{chart.stem.replace('_', ' ')}, MODELED](media/{chart.name})")
+    return "\n".join([
+        "Per TPU generation: ours over the fastest other kernel that compiled (the anchors, each at the",
+        "configuration its bench rates it at) and over the chip's limit (roofline), per model and case.",
+        "Modeled from libtpu's compiled schedules on a CPU machine, not measured on a TPU; drawn from the",
+        "bench's results.", "", *images]) if images else ""
 
 
 def front_matter(kernel: dict) -> str:
@@ -240,23 +270,29 @@ def git(*args: str, root: Path = REPO_ROOT) -> str:
 
 
 def tag_commit(tag: str) -> str | None:
-    """The commit a tag names, or None where this clone has no such tag."""
-    found = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", f"{tag}^{{commit}}"],
-                           capture_output=True, text=True)
+    """The commit a tag names, or None where this clone has no such tag (or is no git checkout)."""
+    try:
+        found = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", f"{tag}^{{commit}}"],
+                               capture_output=True, text=True)
+    except OSError:
+        return None
     return found.stdout.strip() or None
 
 
 def build_release(tag: str, key: str, out_root: Path) -> Path:
-    """The Hub tree of kernel `key` as published from git tag `tag`: that commit's own sources,
-    manifest and build script (an earlier version is rebuilt as it was, not by today's tools)."""
+    """The Hub tree of kernel `key` as published from git tag (or commit) `tag`: that commit's own
+    sources, manifest and build script (an earlier version is rebuilt as it was, not by today's
+    tools; files git does not hold are not released)."""
     source = out_root / f"{tag}-source"
     shutil.rmtree(source, ignore_errors=True)
     source.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", tag], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    subprocess.run([sys.executable, str(source / "kernels" / "build_collection.py"), "--out", str(out_root / tag), key],
-                   check=True, capture_output=True, env=env)
+    built = subprocess.run([sys.executable, str(source / "kernels" / "build_collection.py"), "--out",
+                            str(out_root / tag), key], capture_output=True, text=True, env=env)
+    if built.returncode:
+        raise subprocess.CalledProcessError(built.returncode, built.args, built.stdout, built.stderr[-3000:])
     repo = tomllib.loads((source / "build.toml").read_text())["kernels"][key]["repo"]
     return out_root / tag / repo
 

@@ -13,6 +13,7 @@ and have passed `make test` (which records the commit it passed at: `--tests-pas
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,10 +44,13 @@ def operations(trees: dict[str, Path]) -> list[tuple[str, dict]]:
 
 
 def head_refusal(stamp: Path = TESTS_PASSED, root: Path = REPO_ROOT) -> str | None:
-    """Why HEAD may not be tagged as a release, or None: uncommitted changes to tracked files, or
-    no `make test` passed at HEAD (as `stamp` records)."""
-    head = git("rev-parse", "HEAD", root=root)
-    if git("status", "--porcelain", "--untracked-files=no", root=root):
+    """Why HEAD may not be tagged as a release, or None: not a git checkout, uncommitted changes to
+    tracked files, or no `make test` passed at HEAD (as `stamp` records)."""
+    try:
+        head, changes = git("rev-parse", "HEAD", root=root), git("status", "--porcelain", "--untracked-files=no", root=root)
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout: a release is tagged in git"
+    if changes:
         return "the tree has uncommitted changes: commit them and run make test"
     passed = stamp.read_text().strip() if stamp.exists() else None
     if passed != head:
@@ -54,50 +58,57 @@ def head_refusal(stamp: Path = TESTS_PASSED, root: Path = REPO_ROOT) -> str | No
     return None
 
 
-def record_tests_passed(stamp: Path = TESTS_PASSED, root: Path = REPO_ROOT) -> str:
-    """After a passing `make test`: records HEAD as tested, if the tree had no uncommitted change."""
+def record_tests_passed(tested: str, stamp: Path = TESTS_PASSED, root: Path = REPO_ROOT) -> str:
+    """After a passing `make test` of commit `tested` (HEAD when it started): records it for publishing
+    if HEAD is still that commit with no uncommitted change (a commit made during the run was not
+    what ran)."""
     try:
         head, changes = git("rev-parse", "HEAD", root=root), git("status", "--porcelain", "--untracked-files=no", root=root)
     except (OSError, subprocess.CalledProcessError):
         return "not a git checkout: nothing recorded"
-    if changes:
-        return "uncommitted changes: the pass is not recorded for publishing"
+    if changes or head != tested:
+        return "HEAD moved or has uncommitted changes: the pass is not recorded for publishing"
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(head + "\n")
     return f"make test passed at {head[:12]}: recorded for make publish"
 
 
-def releases(keys: list[str], out: Path) -> tuple[dict[str, Path], list[str], bool]:
-    """Each kernel's tree to publish, built from its version's tag where the tag exists, else from
-    HEAD (to be tagged); the lines saying which; whether HEAD is to be tagged."""
+def releases(keys: list[str], out: Path) -> tuple[dict[str, Path], list[str], list[str]]:
+    """Each kernel's tree to publish, built from git: from its version's tag where the tag exists,
+    else from HEAD's committed sources (uncommitted and untracked files are not released); the lines
+    saying which; the tags to make at HEAD once the uploads succeed."""
     kernels = load_manifest()["kernels"]
-    trees, lines, tags_head = {}, [], False
+    trees, lines, new_tags = {}, [], []
     for key in keys:
         tag = release_tag(kernels[key])
         commit = tag_commit(tag)
-        if commit:
-            trees[key] = build_release(tag, key, out / "releases")
-            lines.append(f"release {key}: rebuilt from tag {tag} ({commit[:12]})")
-        else:
+        source = tag if commit else "HEAD"
+        try:
+            trees[key] = build_release(source, key, out / "releases")
+        except (OSError, subprocess.CalledProcessError):  # not a git checkout: head_refusal says so
             trees[key] = build_kernel(kernels[key], out)
-            lines.append(f"release {key}: new tag {tag} at HEAD")
-            tags_head = True
-    return trees, lines, tags_head
+        version = json.loads((trees[key] / "build" / "torch-universal" / "metadata.json").read_text())["version"]
+        if version != kernels[key]["version"]:
+            raise ValueError(f"{tag} builds version {version} of {key}, not {kernels[key]['version']}")
+        lines.append(f"release {key}: rebuilt from tag {tag} ({commit[:12]})" if commit
+                     else f"release {key}: new tag {tag} at HEAD")
+        new_tags += [] if commit else [tag]
+    return trees, lines, new_tags
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the operations, upload nothing")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build")
-    parser.add_argument("--tests-passed", action="store_true", help="record HEAD as tested (make test does)")
+    parser.add_argument("--tests-passed", metavar="COMMIT", help="record COMMIT as tested (make test does)")
     parser.add_argument("kernels", nargs="*", help="manifest keys (default: all)")
     args = parser.parse_args(argv)
-    if args.tests_passed:
-        print(record_tests_passed())
+    if args.tests_passed is not None:
+        print(record_tests_passed(args.tests_passed))
         return 0
 
-    trees, lines, tags_head = releases(args.kernels or list(load_manifest()["kernels"]), args.out)
-    refusal = head_refusal() if tags_head else None
+    trees, lines, new_tags = releases(args.kernels or list(load_manifest()["kernels"]), args.out)
+    refusal = head_refusal() if new_tags else None
     ops = operations(trees)
     if args.dry_run:
         print(*lines, sep="\n")
@@ -117,13 +128,13 @@ def main(argv=None) -> int:
         print("publish needs a Hugging Face token: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
         return 2
     api = HfApi(token=token)
-    kernels = load_manifest()["kernels"]
-    for key in (k for k in trees if not tag_commit(release_tag(kernels[k]))):
-        git("tag", release_tag(kernels[key]), "HEAD")  # the source of what is uploaded next
     for method, kwargs in ops:
         print(method, kwargs["repo_id"], kwargs.get("revision", kwargs.get("branch", "")), flush=True)
         getattr(api, method)(**kwargs)
-    print("push the new tags: git push --tags")
+    for tag in new_tags:  # only once every upload succeeded: a failed publish leaves no release tagged
+        git("tag", tag, "HEAD")
+    if new_tags:
+        print(f"tagged {', '.join(new_tags)}: push them (git push origin {' '.join(new_tags)})")
     return 0
 
 

@@ -113,23 +113,33 @@ def test_no_figure_is_typed_in(doc):
 
 @pytest.mark.parametrize("key", KERNELS)
 def test_cards_link_the_files_and_targets_they_name_to_the_source_repository(built, key):
-    """With build.toml's source-repo set, every path of the source tree and every make target a card
-    names in code quotes links to it at the version's release tag; code blocks stay as written. (The
-    URL is empty until the sources are public: the built card names them unlinked.)"""
+    """With build.toml's source-repo set, every file or folder git tracks and every make target a
+    card names in code quotes links to it at the version's release tag; code blocks stay as
+    written. (The URL is empty until the sources are public: the built cards have no such link.)"""
     trees, _, _ = built
     kernel = build_collection.load_manifest()["kernels"][key]
     card = (trees[key] / "README.md").read_text()
-    assert kernel["source-repo"] or build_collection.link_sources(card, "", "tag") == card
+    link = re.compile(r"\[`([^`]+)`\]\(([^)]+)\)")
+    assert kernel["source-repo"] or not link.findall(card)
     source, tag = "https://example.org/owner/name", build_collection.release_tag(kernel)
     linked = build_collection.link_sources(card, source, tag)
     assert re.findall(r"```.*?```", linked, re.S) == re.findall(r"```.*?```", card, re.S)
-    links = re.findall(r"\[`([^`]+)`\]\(([^)]+)\)", linked)
-    for name, url in links:
-        path = "Makefile" if name.startswith("make ") else name.rstrip("/")
-        assert url == f"{source}/{'tree' if (REPO / path).is_dir() else 'blob'}/{tag}/{path}", (name, url)
-    unlinked = re.findall(r"(?<![\[`])`([^`\n]+)`(?![`\]])", re.sub(r"```.*?```", "", linked, flags=re.S))
-    assert not [name for name in unlinked if name.startswith("make ") or ("/" in name and (REPO / name).exists())]
+    links = link.findall(linked)
     assert links  # every card names some file or target
+    for name, url in links:
+        path = build_collection.source_target(name)
+        assert url == f"{source}/{'tree' if (REPO / path).is_dir() else 'blob'}/{tag}/{path}", (name, url)
+    prose = link.sub("", re.sub(r"```.*?```", "", linked, flags=re.S))
+    assert not [name for name in re.findall(r"`([^`\n]+)`", prose) if build_collection.source_target(name)]
+
+
+def test_source_targets_are_what_git_tracks():
+    target = build_collection.source_target
+    assert target("bench/results/headline.md") == "bench/results/headline.md" and target("bench/") == "bench"
+    assert target("make check-compile") == "Makefile" and target("make no-such-target") is None
+    assert target("/etc/passwd") is None and target(".venv/bin/python") is None and target("build/") is None
+    linked = build_collection.link_sources("see [`x`](u) and `bench/results/headline.md`", "https://e.org/s", "t")
+    assert linked == "see [`x`](u) and [`bench/results/headline.md`](https://e.org/s/blob/t/bench/results/headline.md)"
 
 
 def test_cards_include_the_results_sections_they_name(built):
@@ -172,15 +182,19 @@ def test_publishing_a_new_version_needs_a_committed_tree_that_passed_make_test(t
     (tmp_path / "f").write_text("1")
     git("add", "f")
     git("commit", "-qm", "one")
-    stamp = tmp_path / "build" / "tests-passed"
+    stamp, one = tmp_path / "build" / "tests-passed", git("rev-parse", "HEAD")
     assert "has not passed" in publish.head_refusal(stamp, tmp_path)
-    assert "recorded" in publish.record_tests_passed(stamp, tmp_path)
+    assert "recorded for make publish" in publish.record_tests_passed(one, stamp, tmp_path)
     assert publish.head_refusal(stamp, tmp_path) is None
     (tmp_path / "f").write_text("2")
     assert "uncommitted" in publish.head_refusal(stamp, tmp_path)
-    assert "not recorded" in publish.record_tests_passed(stamp, tmp_path)
-    git("commit", "-qam", "two")
+    assert "not recorded" in publish.record_tests_passed(one, stamp, tmp_path)
+    git("commit", "-qam", "two")  # made while make test ran on commit one: that pass is not two's
     assert "has not passed" in publish.head_refusal(stamp, tmp_path)
+    assert "not recorded" in publish.record_tests_passed(one, stamp, tmp_path)
+    no_git = tmp_path.parent / f"{tmp_path.name}-no-git"
+    no_git.mkdir()
+    assert "not a git checkout" in publish.head_refusal(stamp, no_git)
 
 
 def test_publish_dry_run(built, capsys, tmp_path):

@@ -26,8 +26,20 @@ def test_flash_cells_take_the_fastest_anchor_that_compiled():
     ]
     fwd, bwd = charts.flash_attention_cells(rows)
     assert (fwd["row"], fwd["column"], fwd["vs_anchor"], fwd["vs_roofline"], fwd["partial"]) == (
-        "M", "8k fwd", pytest.approx(0.9), 3.0, True)
+        "M", "8192 tokens fwd", pytest.approx(0.9), 3.0, True)
     assert bwd["vs_anchor"] is None and bwd["partial"]  # no anchor compiled: n/a, not 1.0
+
+
+def test_ragged_cells_mark_an_anchor_that_never_compiled():
+    case = dict(model="M", phase="decode", matmul="gate_up", pass_="fwd", generation="v6e")
+    ours = dict(case, impl="ours", modeled_us=90.0, ratio_vs_best_anchor=0.9, vs_roofline=1.2)
+    compiled = [dict(case, impl="megablox best", modeled_us=100.0), dict(case, impl="tokamax", modeled_us=120.0)]
+    assert not charts.ragged_dot_cells([ours, *compiled])[0]["partial"]
+    # One of megablox's tilings failing is not a missing anchor; tpu-inference never compiling is.
+    failed = [dict(case, impl="megablox ours' tiles", compiles=False, modeled_us=80.0),
+              dict(case, impl="tpu-inference", error="no tiling compiles")]
+    assert not charts.ragged_dot_cells([ours, *compiled, failed[0]])[0]["partial"]
+    assert charts.ragged_dot_cells([ours, *compiled, *failed])[0]["partial"]
 
 
 def test_paged_cells_compare_bf16_caches_per_layout_with_the_anchors():

@@ -10,6 +10,7 @@ import tpu_compile
 
 from flash_attention import kernel, ops, tuning
 from flash_attention._shared.generations import GENERATIONS
+import sampling  # noqa: E402
 
 # (generation, tokens, Hq, Hkv, D, Dv, dtype, options). `make test` compiles each generation
 # at a small MHA shape (one 512 x 512 block: seconds, where large blocks' unrolled code takes
@@ -41,7 +42,7 @@ MORE = [(g, 2048, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)) for g in GEN
     # 128k tokens: the rule grows the blocks until the step list fits SMEM; dq gets its own kernel.
     ("v5e", 131072, 32, 8, 128, 128, jnp.bfloat16, dict(causal=True)),
 ]
-CASES = SAMPLE + (MORE if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
+CASES = SAMPLE + (MORE if sampling.ALL_COMPILES else [])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-{c[2]}x{c[3]}-d{c[4]}-{jnp.dtype(c[6]).name}")

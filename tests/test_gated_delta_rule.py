@@ -3,7 +3,6 @@ reference functions (Qwen3.5's): fp32 and bf16, lengths that are not a multiple 
 initial and final states, packed sequences (one of them empty), value heads sharing q/k heads,
 the TPU interpreter, libtpu's compile, and bad input."""
 
-import os
 import re
 
 import jax
@@ -21,6 +20,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 import tpu_compile
 from gated_delta_rule import ops
 from runtime.generations import GENERATIONS
+import sampling  # noqa: E402
 
 # fp32: the kernel and the reference both chunk; they differ in summation order and in how the
 # chunk's triangular system is solved (the reference: a triangular solve; ours: a product of
@@ -237,9 +237,9 @@ def test_backward_passes_the_tpu_interpreter():
 # (generation, tokens, q/k heads, v heads): `make test` compiles tpu7x (the smallest VMEM) at 1024
 # tokens; `make check-compile` (CHECK_ALL_COMPILES=1) v5e too, and every generation at Qwen3.5's 16
 # and 32 heads, 8k and 32k tokens.
-TRAINING_COMPILES = [("tpu7x", 1024, 2, 4)] + ([("v5e", 1024, 2, 4)] if os.environ.get("CHECK_ALL_COMPILES") == "1" else []) + (
-    [(g, t, 16, 32) for g in GENERATIONS for t in (8192, 32768)] if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
-DECODE_COMPILES = ["v5e", "tpu7x"] + (["v5p", "v6e"] if os.environ.get("CHECK_ALL_COMPILES") == "1" else [])
+TRAINING_COMPILES = [("tpu7x", 1024, 2, 4)] + ([("v5e", 1024, 2, 4)] if sampling.ALL_COMPILES else []) + (
+    [(g, t, 16, 32) for g in GENERATIONS for t in (8192, 32768)] if sampling.ALL_COMPILES else [])
+DECODE_COMPILES = ["v5e", "tpu7x"] + (["v5p", "v6e"] if sampling.ALL_COMPILES else [])
 
 
 @pytest.mark.parametrize("case", TRAINING_COMPILES, ids=lambda c: f"{c[0]}-{c[1]}tokens-{c[2]}x{c[3]}heads")

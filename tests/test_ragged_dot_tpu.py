@@ -2,7 +2,6 @@
 compilation for v5e, v5p, v6e and tpu7x with libtpu (no TPU needed)."""
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ragged_dot import kernel, ops, reference, tuning
 from ragged_dot._shared.generations import GENERATIONS
+import sampling  # noqa: E402
 
 
 @pytest.fixture
@@ -134,14 +134,11 @@ def _assert_training_kernels_fit(report, generation):
 
 
 # `make test` compiles a sample: the training step at prefill (all three kernels) on v5p (64 MiB
-# of VMEM, the least with tpu7x; every generation's largest tuned forward is in test_tuned_blocks),
-# a decode forward and gpt-oss's layout on one generation; `make check-compile`
+# of VMEM, the least with tpu7x, and a megacore; v6e's and tpu7x's largest tuned forwards are in
+# test_tuned_blocks), a decode forward and gpt-oss's layout on one generation; `make check-compile`
 # (CHECK_ALL_COMPILES=1) every case.
-ALL_COMPILES = os.environ.get("CHECK_ALL_COMPILES") == "1"
-
-
 def _cases(cases, sample):
-    return [pytest.param(*c, id="-".join(map(str, c))) for c in (cases if ALL_COMPILES else sample)]
+    return [pytest.param(*c, id="-".join(map(str, c))) for c in (cases if sampling.ALL_COMPILES else sample)]
 
 
 EVERY_GENERATION_AND_SIZE = [(g, t) for g in sorted(GENERATIONS) for t in (64, 8192)]
@@ -173,7 +170,7 @@ def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
 
 
 @pytest.mark.parametrize("generation,tokens",
-                         _cases(EVERY_GENERATION_AND_SIZE, []))  # make test: the two backward compiles below
+                         _cases(EVERY_GENERATION_AND_SIZE, [("v5p", 8192)]))
 def test_experts_backward_compiles_and_fits_vmem(generation, tokens):
     """The training step's kernels: forward, activations' gradient (the same
     kernel, layout flipped) and weights' gradient, all compiled together."""

@@ -29,7 +29,7 @@ def entries():
             for gen, by_key in table.items() for key, blocks in by_key.items()]
 
 
-def sample():
+def largest_entry_per_generation():
     """Per generation, an entry with the largest buffers (of either kind: the test suite's
     compile of each generation's training step covers both kinds at prefill). Among entries
     within 2% of the largest, a forward with one K step: a K loop over big blocks adds minutes
@@ -101,9 +101,10 @@ def test_models_look_up_the_table_and_the_bench_benches_those_keys(shape):
 CHECK_ALL = os.environ.get("RAGGED_DOT_CHECK_ALL_TUNED") == "1"
 
 
-# v5e's and v5p's entries in `make test-all` (tests/sampling.py): v6e's and tpu7x's VMEM budgets are the tighter.
+# `make test` compiles v6e's and tpu7x's (v5p compiles its training step at prefill in
+# test_ragged_dot_tpu.py); `make test-all` (tests/sampling.py) v5e's and v5p's too.
 @pytest.mark.parametrize("kind,generation,key,blocks", entries() if CHECK_ALL else [
-    entry for entry in sample() if entry[1] in sampling.sample(GENERATIONS, {"v6e", "tpu7x"})])
+    entry for entry in largest_entry_per_generation() if entry[1] in sampling.sample(GENERATIONS, {"v6e", "tpu7x"})])
 def test_entry_compiles_on_its_generation(kind, generation, key, blocks):
     """Compiled through the real lookup (ops picks the entry itself), within
     the VMEM limit the kernel asks for."""
