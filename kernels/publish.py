@@ -82,11 +82,12 @@ def releases(keys: list[str], out: Path) -> tuple[dict[str, Path], list[str], li
     for key in keys:
         tag = release_tag(kernels[key])
         commit = tag_commit(tag)
-        source = tag if commit else "HEAD"
         try:
-            trees[key] = build_release(source, key, out / "releases")
-        except (OSError, subprocess.CalledProcessError):  # not a git checkout: head_refusal says so
-            trees[key] = build_kernel(kernels[key], out)
+            trees[key] = build_release(tag if commit else "HEAD", key, out / "releases")
+        except (OSError, subprocess.CalledProcessError):
+            if commit or head_refusal() is None:
+                raise  # a release that does not build is never replaced by the working tree's
+            trees[key] = build_kernel(kernels[key], out)  # no git, or HEAD not publishable: refused below
         version = json.loads((trees[key] / "build" / "torch-universal" / "metadata.json").read_text())["version"]
         if version != kernels[key]["version"]:
             raise ValueError(f"{tag} builds version {version} of {key}, not {kernels[key]['version']}")
