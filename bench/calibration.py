@@ -322,6 +322,8 @@ def write_calibration(rows: list[dict], out: Path) -> None:
         "kernel, a fork of megablox's gmm with the same kernel body and grid, which is what we model; it runs",
         "its grid in an in-kernel pipeline under a grid-less pallas_call, so a v5p megacore runs it on one core.",
         "",
+        "## Summary: the model against each group of measurements",
+        "",
         summary("Pallas matmuls", pallas),
     ] + ([summary("attention, tokamax's Ironwood microbenchmarks (tpu7x; not used to fit anything)", splash)] if splash else []) + (
         [summary(f"attention, tokamax's autotuning cache on {g} (tpu7x's rows fit its issue clock)",
