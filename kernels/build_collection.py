@@ -272,11 +272,9 @@ def git(*args: str, root: Path = REPO_ROOT) -> str:
 def tag_commit(tag: str) -> str | None:
     """The commit a tag names, or None where this clone has no such tag (or is no git checkout)."""
     try:
-        found = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", f"{tag}^{{commit}}"],
-                               capture_output=True, text=True)
-    except OSError:
+        return git("rev-parse", "--verify", "--quiet", f"{tag}^{{commit}}")
+    except (OSError, subprocess.CalledProcessError):
         return None
-    return found.stdout.strip() or None
 
 
 def build_release(tag: str, key: str, out_root: Path) -> Path:

@@ -43,13 +43,21 @@ def operations(trees: dict[str, Path]) -> list[tuple[str, dict]]:
     return ops
 
 
+def _head(root: Path) -> tuple[str, bool] | None:
+    """(HEAD's commit, whether tracked files have uncommitted changes), or None where `root` is no
+    git checkout."""
+    try:
+        return git("rev-parse", "HEAD", root=root), bool(git("status", "--porcelain", "--untracked-files=no", root=root))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def head_refusal(stamp: Path = TESTS_PASSED, root: Path = REPO_ROOT) -> str | None:
     """Why HEAD may not be tagged as a release, or None: not a git checkout, uncommitted changes to
     tracked files, or no `make test` passed at HEAD (as `stamp` records)."""
-    try:
-        head, changes = git("rev-parse", "HEAD", root=root), git("status", "--porcelain", "--untracked-files=no", root=root)
-    except (OSError, subprocess.CalledProcessError):
+    if (state := _head(root)) is None:
         return "not a git checkout: a release is tagged in git"
+    head, changes = state
     if changes:
         return "the tree has uncommitted changes: commit them and run make test"
     passed = stamp.read_text().strip() if stamp.exists() else None
@@ -62,10 +70,9 @@ def record_tests_passed(tested: str, stamp: Path = TESTS_PASSED, root: Path = RE
     """After a passing `make test` of commit `tested` (HEAD when it started): records it for publishing
     if HEAD is still that commit with no uncommitted change (a commit made during the run was not
     what ran)."""
-    try:
-        head, changes = git("rev-parse", "HEAD", root=root), git("status", "--porcelain", "--untracked-files=no", root=root)
-    except (OSError, subprocess.CalledProcessError):
+    if (state := _head(root)) is None:
         return "not a git checkout: nothing recorded"
+    head, changes = state
     if changes or head != tested:
         return "HEAD moved or has uncommitted changes: the pass is not recorded for publishing"
     stamp.parent.mkdir(parents=True, exist_ok=True)
