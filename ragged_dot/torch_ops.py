@@ -28,6 +28,9 @@ ACTIVATION_CLASSES = {
 # Experts classes whose own _apply_gate we implement -> (gate, attributes read).
 CUSTOM_GATES = {("transformers.models.gpt_oss.modeling_gpt_oss", "_apply_gate"): (ops.CLAMPED_SWIGLU, ("alpha", "limit"))}
 DEFAULT_GATE = ("transformers.integrations.moe", "_default_apply_gate")
+# transformers' FP8 experts (FineGrainedFP8 checkpoints) gate by their config: gpt-oss's clamped
+# SwiGLU when it has swiglu_alpha, the default gate when it has neither alpha nor limit.
+FP8_EXPERTS_GATE = ("transformers.integrations.finegrained_fp8", "_apply_gate")
 
 
 def _ragged_dot_jax(
@@ -135,6 +138,13 @@ def _experts_layout(self) -> dict:
                   transposed=getattr(self, "is_transposed", False), alpha=0.0, limit=0.0)
     gate = getattr(type(self), "_apply_gate", None)
     gate_name = (gate.__module__, gate.__name__) if gate is not None else DEFAULT_GATE
+    if gated and gate_name == FP8_EXPERTS_GATE:
+        if self.swiglu_alpha is not None:
+            return dict(layout, activation=ops.CLAMPED_SWIGLU, alpha=float(self.swiglu_alpha),
+                        limit=float(self.swiglu_limit))
+        if self.limit is not None:
+            raise _unsupported(self, "swiglu_limit without swiglu_alpha (a clamp before its activation)")
+        gate_name = DEFAULT_GATE
     if gated and gate_name != DEFAULT_GATE:
         if gate_name not in CUSTOM_GATES:
             raise _unsupported(self, f"its own _apply_gate (from {gate_name[0]})")

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import build_collection
 import seed_models
 import test_flash_attention_kvcache as kvcache
+import test_fp8_checkpoints
 import test_paged_attention_torch as paged_torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,8 @@ RUN_ELSEWHERE = {
 # Paragraphs with no check of their own: (document, block, paragraph) -> the check that covers them.
 IMPORTS = "imports: the next paragraph's check"
 SETUP = {
-    ("README", 0, 0): IMPORTS, ("ragged_dot", 0, 0): IMPORTS, ("flash_attention", 0, 0): IMPORTS,
+    ("README", 0, 0): IMPORTS, ("ragged_dot", 0, 0): IMPORTS, ("ragged_dot", 2, 0): IMPORTS,
+    ("flash_attention", 0, 0): IMPORTS,
     ("flash_attention", 1, 0): IMPORTS, ("paged_attention", 0, 0): IMPORTS, ("paged_attention", 1, 0): IMPORTS,
     ("paged_attention", 2, 0): "ops taken from the module: the next paragraph's calls and their check",
     ("paged_attention", 3, 0): IMPORTS,
@@ -84,6 +86,8 @@ def checkpoints(tmp_path_factory):
         model = AutoModelForCausalLM.from_config(config(), dtype=torch.float32)
         saved[name] = str(root / name.replace("/", "--"))
         model.save_pretrained(saved[name])
+    fp8 = root / "Qwen--Qwen3-30B-A3B-FP8"
+    saved["Qwen/Qwen3-30B-A3B-FP8"] = str(test_fp8_checkpoints.fp8_checkpoint("qwen3_moe", torch.float32, fp8)[0])
     return saved
 
 
@@ -118,6 +122,18 @@ def check_quantized(model, checkpoints, name):
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = model.eval()(ids).logits, eager(ids).logits
+    assert (got - want).abs().max() <= LOGIT_TOLERANCE * want.abs().max(), name
+
+
+def check_fp8(model, checkpoints, name):
+    """The model's experts in fp8 as stored, its logits those of transformers' own load of the
+    checkpoint (dequantized; fp32: only the summation order differs)."""
+    experts = [m for m in model.modules() if hasattr(m, "down_proj_scale_inv")]
+    assert experts and all(m.down_proj.dtype == torch.float8_e4m3fn for m in experts)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints[name]).eval()
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model.eval()(ids).logits, reference(ids).logits
     assert (got - want).abs().max() <= LOGIT_TOLERANCE * want.abs().max(), name
 
 
@@ -172,6 +188,8 @@ def run_paragraph(doc, block, index, code, ns, checkpoints) -> bool:
                          assert_implementation(ns["model"], "experts", "tpu_ragged_dot"))
     elif key == ("ragged_dot", 1, 0):
         check = lambda: check_quantized(ns["model"], checkpoints, "Qwen/Qwen3-30B-A3B")
+    elif key == ("ragged_dot", 2, 1):
+        check = lambda: check_fp8(ns["model"], checkpoints, "Qwen/Qwen3-30B-A3B-FP8")
     elif key in {("README", 0, 2), ("flash_attention", 0, 1)}:
         check = lambda: (check_logits(ns["model"], checkpoints, "Qwen/Qwen3-8B"),
                          assert_implementation(ns["model"], "attn", flash_repo))
