@@ -13,8 +13,15 @@ ALL_CASES = os.environ.get("ALL_CASES") == "1"
 ALL_COMPILES = ALL_CASES or os.environ.get("CHECK_ALL_COMPILES") == "1"
 
 
-def sample(cases, kept):
-    """`cases` in order: all of them under ALL_CASES, else those in `kept` (each one of them)."""
+def sample(cases, kept, key=lambda case: case):
+    """`cases` in order: all of them under ALL_CASES, else those whose `key` is in `kept` (each one
+    of them)."""
     cases = list(cases)
-    assert set(kept) <= set(cases), f"sampled cases that do not exist: {set(kept) - set(cases)}"
-    return cases if ALL_CASES else [c for c in cases if c in kept]
+    keys = [key(c) for c in cases]
+    assert set(kept) <= set(keys), f"sampled cases that do not exist: {set(kept) - set(keys)}"
+    return cases if ALL_CASES else [c for c, k in zip(cases, keys) if k in kept]
+
+
+def named(case):
+    """The name a case tuple starts with (the tests' convention)."""
+    return case[0]

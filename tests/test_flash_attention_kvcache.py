@@ -155,7 +155,7 @@ PAGED = {
 
 
 @pytest.mark.parametrize("case", PAGED)
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", sample([True, False], {True}))  # non-causal: test_paged_options
 def test_paged_cache(flash, case, causal):
     q, k_cache, v_cache, k, v, kwargs = _paged_case(**PAGED[case])
     if not causal and q.shape[1] > 1 and case == "more_queries_than_keys":
@@ -215,7 +215,7 @@ def test_sinks_as_learnable_sink(flash):
     assert torch.equal(a, b) and not torch.equal(a, plain)
 
 
-@pytest.mark.parametrize("seqlen_cache", [64, 48, 40])  # pages of 64, 16 and 8 tokens
+@pytest.mark.parametrize("seqlen_cache", sample([64, 48, 40], {64, 40}))  # pages of 64, 16 and 8 tokens
 @pytest.mark.parametrize("batch_idx", [False, True])
 def test_contiguous_cache(flash, seqlen_cache, batch_idx):
     """[B_cache, S, Hkv, D] caches; cache_batch_idx picks each row's cache row (4 cache rows for 3
@@ -394,10 +394,10 @@ def decode_fast_path_open(monkeypatch):
                         requested(config, requested_attention_implementation))
 
 
-# Sampled (tests/sampling.py): Qwen3 (GQA), gpt-oss (sinks, head_dim 64) and Gemma 2 with sliding
-# layers (the fast path off); Llama repeats Qwen3, full-attention Gemma 2's MQA, head_dim 256 and softcap
-# are in the direct tests above.
-@pytest.mark.parametrize("family", sample(FAMILIES, {"qwen3", "gpt_oss", "gemma2_sliding"}))
+# Sampled (tests/sampling.py): Qwen3 (GQA) and Gemma 2 with sliding layers (the fast path off); Llama
+# repeats Qwen3, gpt-oss's sinks and windows, full-attention Gemma 2's MQA, head_dim 256 and softcap
+# are in the direct tests above (and gpt-oss's generate_batch in test_flash_attention_models.py).
+@pytest.mark.parametrize("family", sample(FAMILIES, {"qwen3", "gemma2_sliding"}))
 def test_generate_batch_decodes_through_flash_attn_with_kvcache(flash, decode_fast_path_open, monkeypatch, family,
                                                                 caplog):
     import copy

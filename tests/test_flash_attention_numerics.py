@@ -13,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flash_attention import kernel, ops, reference, tuning
 from flash_attention.kernel import BlockSizes
+from sampling import named, sample
 
 # Small blocks, so a few hundred tokens span several query and key blocks.
 SMALL = BlockSizes(block_q=16, block_k=128)
@@ -60,7 +61,11 @@ def _max_error(a, b):
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+# Sampled (tests/sampling.py): the two-sided window and MQA with every option run forward and
+# backward in test_gradients_with_the_separate_dq_kernel (which shares the dkv kernel) and below.
+@pytest.mark.parametrize("case", sample(CASES, {c[0] for c in CASES} - {"window_softcap_sinks_mqa",
+                                                                       "noncausal_two_sided_window"}, key=named),
+                         ids=named)
 def test_forward_and_gradients_match_the_reference_in_fp32(case):
     """With the dkv kernel accumulating dq (the small shapes fit VMEM)."""
     _check_fp32(case)
@@ -82,7 +87,9 @@ def _refuse_whole_groups(monkeypatch, largest_group: int):
                         lambda *args: None if args[5] > largest_group else fits(*args))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4]], ids=lambda c: c[0])
+# Sampled (tests/sampling.py): MQA with a window, softcap and sinks; GQA and decode repeat its split.
+@pytest.mark.parametrize("case", sample([CASES[0], CASES[1], CASES[4]], {"window_softcap_sinks_mqa"}, key=named),
+                         ids=named)
 def test_gradients_with_the_query_heads_split_in_groups(case, monkeypatch):
     """Where a KV head's dq does not fit VMEM but half of its query heads' does, the backward runs
     them as two groups, each a KV head of its own (tuning.fused_dq_split); dk and dv sum the
@@ -118,7 +125,11 @@ QUARTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("blocks,case", QUARTER_CASES, ids=[case[0] for _, case in QUARTER_CASES])
+# Sampled (tests/sampling.py): the 512-row block (MHA, a window); the 256-row GQA one repeats its quarters.
+QUARTERS = sample(QUARTER_CASES, {"causal_mha_window"}, key=lambda c: c[1][0])
+
+
+@pytest.mark.parametrize("blocks,case", QUARTERS, ids=[case[0] for _, case in QUARTERS])
 def test_diagonal_quarters_match_the_reference(blocks, case):
     rows = blocks.block_q * case[3] // case[4]
     assert kernel.diagonal_slices(rows, blocks.block_q, blocks.block_k) == 2
@@ -192,7 +203,9 @@ def _check_fp32(case, blocks=SMALL, **call):
     assert not np.any(np.asarray(ours[1][int(cu_k[-1]):])) and not np.any(np.asarray(ours[2][int(cu_k[-1]):]))
 
 
-@pytest.mark.parametrize("case", CASES[:3] + CASES[-1:], ids=lambda c: c[0])
+# Sampled (tests/sampling.py): MQA with every option, and head_dim 512.
+@pytest.mark.parametrize("case", sample(CASES[:3] + CASES[-1:], {"window_softcap_sinks_mqa", "gemma4_global_d512"},
+                                        key=named), ids=named)
 def test_bf16_forward_is_the_reference_rounded(case):
     """bf16 inputs are exact; without a cap, q enters scaled by softmax_scale * log2(e) and
     rounded to bf16 once (the reference is given that q); scores and statistics are f32; the
@@ -265,7 +278,9 @@ def test_bf16_backward_cancels_the_d_term_in_f32(d):
     assert _max_error(dk, jnp.zeros_like(dk)) <= bound
 
 
-@pytest.mark.parametrize("dq_kernel,d", [("fused", 128), ("separate", 128), ("fused", 512)])
+# Sampled (tests/sampling.py): each dq kernel once.
+@pytest.mark.parametrize("dq_kernel,d", sample([("fused", 128), ("separate", 128), ("fused", 512)],
+                                               {("separate", 128), ("fused", 512)}))
 def test_bf16_gradients_accumulate_in_f32(dq_kernel, d, monkeypatch):
     """As test_bf16_accumulators_are_f32 for dv, for dk across query blocks and dq across key
     blocks. Every score is 0 (q = 0 for dq, k = 0 for dk), so every probability is 1/n; v_j = +-e0

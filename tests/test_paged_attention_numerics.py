@@ -10,6 +10,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from paged_attention import ops, reference, tuning
 from paged_attention.kernel import BlockSizes
+from sampling import sample
 
 # fp32: the kernel's products and sums in f32 (HIGHEST), the reference's in f64: only f32 rounding
 # and reassociation separate them (the issue's bound is 1e-4; this is 2e-5 of the largest value).
@@ -136,8 +137,17 @@ def _kernels_rows(fn, *args):
     return {e.params["name"]: e.params["grid_mapping"].block_mappings[2].block_shape[1].block_size for e in calls}
 
 
-@pytest.mark.parametrize("q_lens,generation", [([1, 1, 0, 1], "v6e"), ([1, 2, 1, 7], "v6e"), ([3, 2, 0, 9], "v6e"),
-                                                ([0, 1, 0, 0], "v5p")], ids=["decode", "mixed", "prefill", "one_decode_v5p"])
+DEFAULT_BLOCK_CASES = {"decode": ([1, 1, 0, 1], "v6e"), "mixed": ([1, 2, 1, 7], "v6e"), "prefill": ([3, 2, 0, 9], "v6e"),
+                       "one_decode_v5p": ([0, 1, 0, 0], "v5p")}
+
+
+# Sampled (tests/sampling.py): a batch of decode and prefill sequences, and v5p's one decode
+# sequence; all-decode and all-prefill batches repeat the mixed one's two kernels.
+DEFAULT_BLOCK_SAMPLE = sample(DEFAULT_BLOCK_CASES, {"mixed", "one_decode_v5p"})
+
+
+@pytest.mark.parametrize("q_lens,generation", [DEFAULT_BLOCK_CASES[n] for n in DEFAULT_BLOCK_SAMPLE],
+                         ids=DEFAULT_BLOCK_SAMPLE)
 def test_default_blocks_run_decode_sequences_in_8_row_blocks(q_lens, generation):
     """Without blocks, decode sequences run in one kernel with 8-row query blocks and the others
     in another with 128-row ones, each over its own sequences: decode-only, mixed, prefill-only
@@ -311,7 +321,7 @@ def _garbage_past_live(args, max_seqs, seed=0):
             jnp.asarray(cu, jnp.int32), live)
 
 
-@pytest.mark.parametrize("max_seqs", [8, 16])
+@pytest.mark.parametrize("max_seqs", sample([8, 16], {16}))  # sampled (tests/sampling.py): 8 repeats 16
 @pytest.mark.parametrize("blocks", [CASES[0][7], None], ids=["explicit_blocks", "default_blocks"])
 def test_garbage_past_num_seqs_is_ignored(blocks, max_seqs):
     """JAX callers (engines) pad their batch to a fixed sequence count: whatever the arrays hold

@@ -8,6 +8,7 @@ import torch
 
 import paged_attention
 from paged_attention import ops, reference, torch_ops
+from sampling import sample
 
 PAGES, PAGE_SIZE, HKV, HQ, D = 14, 16, 2, 8, 64
 
@@ -180,7 +181,7 @@ def _pad_past_live(kv_lens, table, cu, live, max_seqs, how, seed=0):
             as_int(torch.cat([cu[:live + 1], cu_tail])))
 
 
-@pytest.mark.parametrize("max_seqs", [8, 16])
+@pytest.mark.parametrize("max_seqs", sample([8, 16], {16}))  # sampled (tests/sampling.py): 8 repeats 16
 @pytest.mark.parametrize("how", ["ones", "zeros", "repeats", "garbage"])
 def test_arrays_past_num_seqs_are_ignored(how, max_seqs):
     """Whatever kv_lens, page_indices and cu_q_lens hold past num_seqs, the live tokens get the

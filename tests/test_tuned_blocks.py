@@ -47,7 +47,7 @@ def largest_entry_per_generation():
     return picked
 
 
-@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("generation", sampling.sample(GENERATIONS, {"v6e", "tpu7x"}))  # tests/sampling.py
 def test_generation_has_entries_for_every_model(generation):
     """Every model's every token bucket: the forward at decode and prefill,
     the gradients at prefill; or the tuning's record that the matmul's
