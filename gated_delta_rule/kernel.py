@@ -19,7 +19,11 @@ prefetch says which sequence it belongs to and whether it is that sequence's fir
 past the live ones (skipped). Tokens past a sequence's end within its last chunk are zeros:
 k = 0 and beta = 0 add nothing to the state and g = 0 decays nothing.
 
-Everything is computed in fp32 whatever the input dtype (the reference's precision).
+Everything is computed on fp32 values whatever the input dtype, the state kept in fp32. With fp32
+inputs every product is fp32 (HIGHEST: six bf16 MXU passes), the reference's precision. With
+bf16 inputs the forward's products take three passes, each fp32 operand split into two bf16
+parts (`_dot`): about 2^-16 of each term, far below the bf16 output's own rounding, at half the
+MXU work that bounds the chunk (the backward recomputes its chunks at HIGHEST).
 T = (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N is nilpotent: N^C = 0): log2(C) squarings on
 the MXU rather than C dependent row updates.
 
@@ -44,8 +48,21 @@ F32 = jnp.float32
 EXACT = jax.lax.Precision.HIGHEST
 
 
-def _dot(a, b, contract=((1,), (0,))):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=EXACT, preferred_element_type=F32)
+def _dot(a, b, contract=((1,), (0,)), split: bool = False):
+    """a . b in fp32. With `split`, each operand as the sum of two bf16 parts and the product as
+    three single-pass MXU products (the parts' lo x lo dropped: about 2^-16 of each term) rather
+    than HIGHEST's six."""
+    dims = (contract, ((), ()))
+    if not split:
+        return jax.lax.dot_general(a, b, dims, precision=EXACT, preferred_element_type=F32)
+
+    def parts(x):
+        high = x.astype(jnp.bfloat16)
+        return high, (x - high.astype(F32)).astype(jnp.bfloat16)
+
+    (a_high, a_low), (b_high, b_low) = parts(a), parts(b)
+    dot = lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=F32)
+    return dot(a_high, b_high) + (dot(a_high, b_low) + dot(a_low, b_high))
 
 
 def _column(row, eye):
@@ -53,10 +70,12 @@ def _column(row, eye):
     return jnp.sum(eye * row, axis=1, keepdims=True)
 
 
-def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: int):
+def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: int, split: bool = False):
     """One head's chunk on fp32 values: q, k [C, dk], v [C, dv], g and beta [1, C] rows, the state
     entering [dk, dv]. Returns the output rows [C, dv] and the state leaving. A pure function of
-    its operands: the backward kernel differentiates it (jax.vjp) rather than restating it."""
+    its operands: the backward kernel differentiates it (jax.vjp) rather than restating it.
+    `split`: its products in three bf16 passes (_dot), but for G's sums."""
+    dot = functools.partial(_dot, split=split)
     if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
@@ -64,7 +83,8 @@ def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: i
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     eye = (rows == cols).astype(F32)
-    # G as a row: g times the upper-triangular ones (G_j = sum over m <= j of g_m).
+    # G as a row: g times the upper-triangular ones (G_j = sum over m <= j of g_m); exact whatever
+    # `split` (a chunk's G reaches hundreds: 2^-16 of it would move every decay).
     cum_row = _dot(g, (rows <= cols).astype(F32))
     cum_col = _column(cum_row, eye)
     beta = _column(beta, eye)
@@ -72,20 +92,20 @@ def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: i
     # exp of masked differences only: above the diagonal G_i - G_j > 0 can overflow.
     decay = jnp.exp(jnp.where(causal, cum_col - cum_row, -jnp.inf))
     k_beta = k * beta
-    n = jnp.where(rows > cols, _dot(k_beta, k, ((1,), (1,))) * decay, 0.0)
+    n = jnp.where(rows > cols, dot(k_beta, k, ((1,), (1,))) * decay, 0.0)
     inverse = eye - n
     power = n
     for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
-        power = _dot(power, power)
-        inverse = _dot(inverse, eye + power)
-    u = _dot(inverse, v * beta)
-    w = _dot(inverse, k_beta * jnp.exp(cum_col))
-    v_new = u - _dot(w, state)
-    scores = _dot(q, k, ((1,), (1,))) * decay
-    o = _dot(q * jnp.exp(cum_col), state) + _dot(scores, v_new)
+        power = dot(power, power)
+        inverse = dot(inverse, eye + power)
+    u = dot(inverse, v * beta)
+    w = dot(inverse, k_beta * jnp.exp(cum_col))
+    v_new = u - dot(w, state)
+    scores = dot(q, k, ((1,), (1,))) * decay
+    o = dot(q * jnp.exp(cum_col), state) + dot(scores, v_new)
     total = jnp.sum(g, axis=1, keepdims=True)  # [1, 1]: G at the chunk's last token
     k_decayed = k * jnp.exp(total - cum_col)
-    return o, state * jnp.exp(total) + _dot(k_decayed, v_new, ((0,), (0,)))
+    return o, state * jnp.exp(total) + dot(k_decayed, v_new, ((0,), (0,)))
 
 
 def _operands(q_ref, k_ref, v_ref, gb_ref, h):
@@ -113,13 +133,17 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
+    # bf16 inputs: the chunk's products in three bf16 passes (to about 2^-16, far below the bf16
+    # output's rounding); fp32 inputs: in fp32, as the reference.
+    split = q_ref.dtype == jnp.bfloat16
+
     @pl.when(live)
     def _():
         # The heads of a block are independent chains of small matmuls: unrolled, their MXU
         # latencies overlap.
         for h in range(q_ref.shape[0]):
             o, state_ref[h] = _chunk_math(*_operands(q_ref, k_ref, v_ref, gb_ref, h), state_ref[h], scale=scale,
-                                          l2norm=l2norm, chunk=chunk)
+                                          l2norm=l2norm, chunk=chunk, split=split)
             o_ref[h] = o.astype(o_ref.dtype)
 
     @pl.when(last_ref[c] == 1)

@@ -166,8 +166,8 @@ def test_fp8_experts_gate_as_transformers_does(gate, kernel):
 
 
 def test_bf16_checkpoint_serves_generate_batch(kernel, tmp_path):
-    """A bf16 model's fp8 checkpoint loaded in bf16, as users load Qwen3-30B-A3B-FP8: the greedy
-    tokens of transformers' dequantized load, and continuous batching gives generate's tokens."""
+    """A bf16 model's fp8 checkpoint loaded in bf16, as users load Qwen3-30B-A3B-FP8, served by
+    continuous batching: the greedy tokens of transformers' dequantized load, one prompt at a time."""
     module, calls = kernel
     path, _ = fp8_checkpoint("qwen3_moe", torch.bfloat16, tmp_path)
     ours = _load(module, path, torch.bfloat16)
@@ -180,9 +180,8 @@ def test_bf16_checkpoint_serves_generate_batch(kernel, tmp_path):
         batched = ours.generate_batch(prompts, generation_config=config)
         assert calls
         for prompt, result in zip(prompts, sorted(batched.values(), key=lambda r: int(r.request_id.split("_")[-1]))):
-            alone = ours.generate(torch.tensor([prompt]), generation_config=config)
+            alone = reference.generate(torch.tensor([prompt]), generation_config=config)
             assert result.generated_tokens == alone[0, len(prompt):].tolist()
-            assert torch.equal(alone, reference.generate(torch.tensor([prompt]), generation_config=config))
 
 
 def test_what_it_cannot_load_is_named_before_any_weight(kernel, tmp_path):

@@ -29,6 +29,10 @@ import sampling  # noqa: E402
 FP32_TOLERANCE = 1e-5
 # bf16 output: one rounding of the fp32 result (2^-8 relative), twice for margin.
 BF16_TOLERANCE = 2 * 2**-8
+# The fp32 state from bf16 inputs: the forward's products in three bf16 passes (kernel._dot), each
+# term to about 2^-16. Measured <= 8e-6 of the largest state entry (1.2e-6 with HIGHEST); a pass
+# dropped moves it by about 2^-9.
+BF16_STATE_TOLERANCE = 2**-15
 
 
 def _inputs(batch, tokens, hk, hv, dk, dv, seqs=None, seed=0, dtype=np.float32):
@@ -93,8 +97,9 @@ def test_forward_matches_the_references_in_fp32(case):
 
 
 def test_bf16_inputs_give_the_fp32_result_rounded_once():
-    """bf16 q, k, v and beta are computed in fp32 (as the reference upcasts them): the output is
-    the fp32 result of the same bf16 values, rounded to bf16; the state stays fp32."""
+    """bf16 q, k, v and beta are computed on fp32 values (as the reference upcasts them), the
+    products in three bf16 passes: the output is the fp32 result of the same bf16 values, rounded
+    to bf16; the state stays fp32, within BF16_STATE_TOLERANCE."""
     q, k, v, g, beta, state = _inputs(1, 150, 2, 2, 128, 128, seed=1)
     bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
     o, final = ops.chunk_gated_delta_rule(bf16(q), bf16(k), bf16(v), g, bf16(beta), initial_state=state,
@@ -103,7 +108,7 @@ def test_bf16_inputs_give_the_fp32_result_rounded_once():
     want_o, want_state = _torch(torch_chunk_gated_delta_rule, as_f32(q), as_f32(k), as_f32(v), g, as_f32(beta), state)
     assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
     assert _error(o, want_o) <= BF16_TOLERANCE
-    assert _error(final, want_state) <= FP32_TOLERANCE
+    assert _error(final, want_state) <= BF16_STATE_TOLERANCE
 
 
 def test_packed_sequences_keep_their_own_states():

@@ -126,8 +126,8 @@ def test_generate_batch_gives_the_tokens_of_generate(paged):
         layers.append(module.layer_idx)
         return served(module, *args, **kwargs)
 
-    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 12, 3)]
-    generation = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 3)]
+    generation = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     CALLS.clear()
     # transformers' own path gathers the context in PagedAttentionCache.update: ours must never call it.
     from transformers.generation.continuous_batching import PagedAttentionCache

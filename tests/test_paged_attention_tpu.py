@@ -19,13 +19,13 @@ import sampling  # noqa: E402
 SERVING = tuning.SERVING_LIMITS
 POOL_BYTES = 2 << 30
 
-# (generation, Hq, Hkv, D, page size, cache dtype, options): `make test` compiles v6e's default
-# path and head_dim 512, v5p's (a megacore) prefill, v5e's head_dim 64 and tpu7x's head-major pages,
-# with 16-token pages; `make
-# check-compile` (CHECK_ALL_COMPILES=1) every generation, each cache dtype, page size and head dim. Every case compiles the default path's two kernels (decode and prefill
-# blocks) but those marked prefill_only: the two differ only in block rows, and each compile
-# costs about 25 s.
-SAMPLE = [(g, 32, 8, 128, 16, jnp.bfloat16, {} if g == "v6e" else dict(prefill_only=True)) for g in ("v5p", "v6e")]
+# (generation, Hq, Hkv, D, page size, cache dtype, options): `make test` compiles v6e's and v5p's (a
+# megacore) prefill at head_dim 128, v6e's default path at head_dim 512, v5e's head_dim 64 and tpu7x's
+# head-major pages, with 16-token pages; `make check-compile` (CHECK_ALL_COMPILES=1) every generation,
+# each cache dtype, page size and head dim. Every case compiles the default path's two kernels
+# (decode and prefill blocks) but those marked prefill_only: the two differ only in block rows, and
+# each compile costs about 25 s.
+SAMPLE = [(g, 32, 8, 128, 16, jnp.bfloat16, dict(prefill_only=True)) for g in ("v5p", "v6e")]
 # v5e at head_dim 64 (gpt-oss's sliding layers), whose cache XLA would copy whole in its default layout.
 SAMPLE.append(("v5e", 64, 8, 64, 16, jnp.bfloat16, dict(prefill_only=True, sliding_window=128, sinks=True)))
 # tpu7x with head-major caches: a page's heads copied as they lie, each head's rows whole tiles.
@@ -33,6 +33,7 @@ SAMPLE.append(("tpu7x", 32, 8, 128, 16, jnp.bfloat16, dict(cache_layout="head_ma
 # Gemma 4's global layers: head_dim 512 (past the table's widest: its blocks cut to fit), 2 KV heads.
 SAMPLE.append(("v6e", 16, 2, 512, 16, jnp.bfloat16, {}))
 MORE = [
+    ("v6e", 32, 8, 128, 16, jnp.bfloat16, {}),
     # tpu7x at head_dim 256: a head's keys are two rows of 128 lanes in the kernel's view of a page.
     ("tpu7x", 16, 8, 256, 16, jnp.bfloat16, dict(prefill_only=True)),
     ("v5e", 32, 8, 128, 16, jnp.bfloat16, dict(prefill_only=True)),
@@ -55,7 +56,8 @@ CASES = SAMPLE + (MORE if sampling.ALL_COMPILES else [])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-page{c[4]}-{jnp.dtype(c[5]).name}"
-                         + ("-head_major" if c[6].get("cache_layout") == "head_major" else ""))
+                         + ("-head_major" if c[6].get("cache_layout") == "head_major" else "")
+                         + ("-prefill_only" if c[6].get("prefill_only") else ""))
 def test_attention_compiles(case):
     _compile_serving_step(*case)
 
