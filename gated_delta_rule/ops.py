@@ -6,7 +6,8 @@ an optional initial state [N, Hv, dk, dv], and `cu_seqlens` [N + 1] for N sequen
 in a batch of one. Hk divides Hv: value head h reads q and k head h // (Hv // Hk), as the
 models' `repeat_interleave` lays them out. It returns o [B, T, Hv, dv] in q's dtype and, with
 `output_final_state`, each sequence's final state [N, Hv, dk, dv] in fp32; everything inside
-is computed in fp32.
+is computed on fp32 values (kernel.py says at which precision). Packed sequences are gathered
+into their chunks; a batch's rows (no `cu_seqlens`) are only padded to whole chunks.
 
 `fused_recurrent_gated_delta_rule` takes the same arguments and computes the same, token by
 token: for decode steps (a token or a few per sequence), where the chunked form would pad each
@@ -95,6 +96,16 @@ def chunk_layout(cu_seqlens, tokens: int, seqs: int, chunk: int):
     return seq, first, last, token
 
 
+def even_chunk_layout(batch: int, tokens: int, chunk: int):
+    """chunk_layout's (seq, first, last) for `batch` sequences of `tokens` each (no cu_seqlens),
+    known when tracing: every sequence takes ceil(tokens / chunk) chunks of its own."""
+    per_seq = max(1, -(-tokens // chunk))
+    c = np.arange(batch * per_seq)
+    at = c % per_seq
+    return (jnp.asarray(c // per_seq, jnp.int32), jnp.asarray(at == 0, jnp.int32),
+            jnp.asarray(at == per_seq - 1, jnp.int32))
+
+
 def _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret):
     """Both entry points' arguments, checked and defaulted: (sequences, cu_seqlens (each batch row
     a sequence by default), scale, interpret, the initial states in fp32 (zeros by default),
@@ -135,24 +146,38 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size: int = CHUNK,
                            heads_per_step: int | None = None, interpret=None):
     out_dtype = q.dtype
+    packed = cu_seqlens is not None
     seqs, cu, scale, interpret, h0, q, k = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
     total = batch * tokens
-    seq, first, last, token = chunk_layout(cu, total, seqs, chunk_size)
-    count = seq.shape[0]
-    index = token.reshape(-1)
+    if packed:  # each sequence's tokens gathered into its chunks
+        seq, first, last, token = chunk_layout(cu, total, seqs, chunk_size)
+        index = token.reshape(-1)
 
-    def chunked(x):  # [B, T, H, d] -> [H, chunks * chunk, d], padding zeros
-        x = jnp.asarray(x).reshape(total, *x.shape[2:]).at[index].get(mode="fill", fill_value=0)
-        return jnp.moveaxis(x, 1, 0)
+        def chunked(x):  # [B, T, H, d] -> [H, chunks * chunk, d], padding zeros
+            x = jnp.asarray(x).reshape(total, *x.shape[2:]).at[index].get(mode="fill", fill_value=0)
+            return jnp.moveaxis(x, 1, 0)
+
+        def unchunked(o):
+            o = jnp.zeros((total, hv, dv), out_dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
+            return o.reshape(batch, tokens, hv, dv)
+    else:  # each batch row a sequence of `tokens`: padded to whole chunks, no gather
+        seq, first, last = even_chunk_layout(batch, tokens, chunk_size)
+        padded = seq.shape[0] // batch * chunk_size
+
+        def chunked(x):
+            x = jnp.pad(jnp.asarray(x), [(0, 0), (0, padded - tokens)] + [(0, 0)] * (x.ndim - 2))
+            return jnp.moveaxis(x.reshape(batch * padded, *x.shape[2:]), 1, 0)
+
+        def unchunked(o):
+            return jnp.moveaxis(o, 0, 1).reshape(batch, padded, hv, dv)[:, :tokens].astype(out_dtype)
 
     gb = jnp.stack([jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)], axis=-1)  # [B, T, Hv, 2]
-    gb = chunked(gb).reshape(hv, count, chunk_size, 2).swapaxes(2, 3)
+    gb = chunked(gb).reshape(hv, seq.shape[0], chunk_size, 2).swapaxes(2, 3)
     o, final = chunk_forward(seq, first, last, chunked(q), chunked(k), chunked(v), gb, h0, num_seqs=seqs, scale=scale,
                              l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size,
                              heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), interpret=interpret)
-    o = jnp.zeros((total, hv, dv), out_dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
-    return _outputs(o.reshape(batch, tokens, hv, dv), final, h0, cu, total, output_final_state)
+    return _outputs(unchunked(o), final, h0, cu, total, output_final_state)
 
 
 def token_layout(cu_seqlens, tokens: int, seqs: int):
