@@ -21,9 +21,9 @@ k = 0 and beta = 0 add nothing to the state and g = 0 decays nothing.
 
 Everything is computed on fp32 values whatever the input dtype, the state kept in fp32. With fp32
 inputs every product is fp32 (HIGHEST: six bf16 MXU passes), the reference's precision. With
-bf16 inputs the forward's products take three passes, each fp32 operand split into two bf16
-parts (`_dot`): about 2^-16 of each term, far below the bf16 output's own rounding, at half the
-MXU work that bounds the chunk (the backward recomputes its chunks at HIGHEST).
+bf16 inputs the products take three passes, each fp32 operand split into two bf16 parts
+(`_split_dot`, its gradients likewise): about 2^-16 of each term, far below the bf16 output's
+own rounding, at half the MXU work that bounds the chunk.
 T = (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N is nilpotent: N^C = 0): log2(C) squarings on
 the MXU rather than C dependent row updates.
 
@@ -49,20 +49,54 @@ EXACT = jax.lax.Precision.HIGHEST
 
 
 def _dot(a, b, contract=((1,), (0,)), split: bool = False):
-    """a . b in fp32. With `split`, each operand as the sum of two bf16 parts and the product as
-    three single-pass MXU products (the parts' lo x lo dropped: about 2^-16 of each term) rather
-    than HIGHEST's six."""
-    dims = (contract, ((), ()))
-    if not split:
-        return jax.lax.dot_general(a, b, dims, precision=EXACT, preferred_element_type=F32)
+    """a . b in fp32 (2-D; `contract` names the contracted dims: ((1,), (0,)) is a @ b). With
+    `split`, three single-pass MXU products (_split_dot) rather than HIGHEST's six."""
+    if split:
+        return _split_dot(a, b, contract)
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=EXACT, preferred_element_type=F32)
 
+
+def _split_product(a, b, contract):
+    """Each fp32 operand as the sum of two bf16 parts; the parts' lo x lo dropped (about 2^-16 of
+    each term)."""
     def parts(x):
         high = x.astype(jnp.bfloat16)
         return high, (x - high.astype(F32)).astype(jnp.bfloat16)
 
     (a_high, a_low), (b_high, b_low) = parts(a), parts(b)
-    dot = lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=F32)
+    dot = lambda x, y: jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=F32)
     return dot(a_high, b_high) + (dot(a_high, b_low) + dot(a_low, b_high))
+
+
+# The gradients of a split product are split products too (jax's own transpose of a bf16 dot
+# would round the fp32 cotangent to bf16): for each contraction, (a's, b's) as
+# (ct, other, contraction) with the operands in order.
+_SPLIT_GRADIENTS = {
+    ((1,), (0,)): (lambda a, b, ct: _split_product(ct, b, ((1,), (1,))),  # a @ b
+                   lambda a, b, ct: _split_product(a, ct, ((0,), (0,)))),
+    ((1,), (1,)): (lambda a, b, ct: _split_product(ct, b, ((1,), (0,))),  # a @ b.T
+                   lambda a, b, ct: _split_product(ct, a, ((0,), (0,)))),
+    ((0,), (0,)): (lambda a, b, ct: _split_product(b, ct, ((1,), (1,))),  # a.T @ b
+                   lambda a, b, ct: _split_product(a, ct, ((1,), (0,)))),
+}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _split_dot(a, b, contract):
+    return _split_product(a, b, contract)
+
+
+def _split_dot_forward(a, b, contract):
+    return _split_product(a, b, contract), (a, b)
+
+
+def _split_dot_backward(contract, residuals, ct):
+    a, b = residuals
+    grad_a, grad_b = _SPLIT_GRADIENTS[contract]
+    return grad_a(a, b, ct), grad_b(a, b, ct)
+
+
+_split_dot.defvjp(_split_dot_forward, _split_dot_backward)
 
 
 def _column(row, eye):
@@ -173,7 +207,8 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
 
     @pl.when(live)
     def _():
-        math_of_chunk = functools.partial(_chunk_math, scale=scale, l2norm=l2norm, chunk=chunk)
+        math_of_chunk = functools.partial(_chunk_math, scale=scale, l2norm=l2norm, chunk=chunk,
+                                          split=q_ref.dtype == jnp.bfloat16)
         for h in range(q_ref.shape[0]):
             _, pullback = jax.vjp(math_of_chunk, *_operands(q_ref, k_ref, v_ref, gb_ref, h), states_ref[h])
             dq, dk, dv, dg, dbeta, dstate_ref[h] = pullback((do_ref[h].astype(F32), dstate_ref[h]))

@@ -140,6 +140,8 @@ def _experts_layout(self) -> dict:
     gate_name = (gate.__module__, gate.__name__) if gate is not None else DEFAULT_GATE
     if gated and gate_name == FP8_EXPERTS_GATE:
         if self.swiglu_alpha is not None:
+            if self.swiglu_limit is None:  # transformers' own gate cannot run it either (a clamp of None)
+                raise _unsupported(self, "swiglu_alpha without swiglu_limit")
             return dict(layout, activation=ops.CLAMPED_SWIGLU, alpha=float(self.swiglu_alpha),
                         limit=float(self.swiglu_limit))
         if self.limit is not None:

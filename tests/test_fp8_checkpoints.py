@@ -129,17 +129,17 @@ def test_experts_stay_fp8_and_give_the_dequantized_models_logits(family, kernel,
         torch.testing.assert_close(compiled(ids).logits, want, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("gate", ["default", "swiglu_alpha", "limit_only"])
+@pytest.mark.parametrize("gate", ["default", "swiglu_alpha", "alpha_only", "limit_only"])
 def test_fp8_experts_gate_as_transformers_does(gate, kernel):
     """transformers' FP8 experts gate by their config (gpt-oss's clamped SwiGLU with swiglu_alpha;
-    a clamp before the activation with swiglu_limit alone, which we refuse by name): ours against
-    their own forward over the weights dequantized (fp32; their eager loop takes full-precision
-    weights without a kernel)."""
+    a clamp before the activation with swiglu_limit alone, which we refuse by name, as swiglu_alpha
+    alone, which their own gate cannot run): ours against their own forward over the weights
+    dequantized (fp32; their eager loop takes full-precision weights without a kernel)."""
     module, _ = kernel
     config = transformers.Qwen3MoeConfig(**FAMILIES["qwen3_moe"][1])
     config._experts_implementation = IMPL
     config.swiglu_alpha, config.swiglu_limit = {"default": (None, None), "swiglu_alpha": (1.702, 0.5),
-                                                "limit_only": (None, 0.5)}[gate]
+                                                "alpha_only": (1.702, None), "limit_only": (None, 0.5)}[gate]
     experts_class = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
     ours = experts_class(config, block_size=[BLOCK, BLOCK])
     reference = experts_class(copy.copy(config), block_size=[BLOCK, BLOCK])
@@ -156,8 +156,9 @@ def test_fp8_experts_gate_as_transformers_does(gate, kernel):
     index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
     weights = torch.rand(6, 2)
     with torch.no_grad():
-        if gate == "limit_only":
-            with pytest.raises(NotImplementedError, match="swiglu_limit without swiglu_alpha"):
+        if gate in ("limit_only", "alpha_only"):
+            refused = {"limit_only": "swiglu_limit without swiglu_alpha", "alpha_only": "swiglu_alpha without swiglu_limit"}
+            with pytest.raises(NotImplementedError, match=refused[gate]):
                 ours(hidden, index, weights)
             return
         want = reference(hidden, index, weights)
