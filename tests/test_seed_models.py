@@ -128,10 +128,9 @@ def test_parameter_gradients_match_eager(hub, seed):
     assert compared > 10
 
 
-# Sampled (tests/sampling.py): Gemma 4 MoE (all three kernels, head_dim 512, k_eq_v) and Qwen3.5-MoE
-# (linear attention beside ours, shared experts); the others repeat them (gpt-oss's sinks and biases
-# compile in test_transformers_models.py).
-@pytest.mark.parametrize("seed", sample(SEEDS, {"gemma4_moe", "qwen3_5_moe"}))
+# Sampled (tests/sampling.py): Gemma 4 MoE (all three kernels, head_dim 512, k_eq_v), Qwen3.5-MoE
+# (linear attention beside ours, shared experts) and gpt-oss (sinks, biases); the others repeat them.
+@pytest.mark.parametrize("seed", sample(SEEDS, {"gemma4_moe", "qwen3_5_moe", "gpt_oss"}))
 def test_whole_model_compiles_in_one_graph(hub, seed):
     """torch.compile(fullgraph=True, dynamic=False), TorchTPU's fast mode, over the whole bf16 model
     (fp32 breaks the graph in transformers' flash path: it warns that it casts fp32 inputs), our
