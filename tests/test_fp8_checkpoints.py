@@ -8,7 +8,6 @@ dequantizes it off CUDA and XPU."""
 import copy
 import json
 import re
-import sys
 
 import pytest
 import torch
@@ -45,20 +44,11 @@ COMPILED = sample(sorted(FAMILIES), {"qwen3_moe"})
 def kernel(tmp_path_factory):
     """The kernel as users get it, its experts_forward registered for fp8 experts; calls of its
     quantized op counted."""
-    import build_collection
+    from counted_kernel import counted_kernel
 
-    module = build_collection.load_from_hub(["ragged_dot"], tmp_path_factory.mktemp("build"))["ragged_dot"]
-    torch_ops = sys.modules[module.__name__ + ".torch_ops"]
-    op, calls = torch_ops.quantized_experts_forward_op, []
-
-    def counted(*args):
-        calls.append(len(args))
-        return op(*args)
-
-    torch_ops.quantized_experts_forward_op = counted
-    ALL_FP8_EXPERTS_FUNCTIONS.register(IMPL, module.experts_forward)
-    yield module, calls
-    torch_ops.quantized_experts_forward_op = op
+    with counted_kernel("ragged_dot", "quantized_experts_forward_op", tmp_path_factory.mktemp("build")) as found:
+        ALL_FP8_EXPERTS_FUNCTIONS.register(IMPL, found[0].experts_forward)
+        yield found
 
 
 def _quantize(weight):

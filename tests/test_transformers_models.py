@@ -128,22 +128,11 @@ def hub_experts(tmp_path_factory):
     """experts_forward as users get it: the built tree laid out as a Hub cache, loaded with
     get_kernel (offline: the trust check is skipped) and registered with transformers under its
     own name. Calls of its op are counted."""
-    import sys
-    from pathlib import Path
+    from counted_kernel import counted_kernel
 
-    import build_collection
-    module = build_collection.load_from_hub(["ragged_dot"], tmp_path_factory.mktemp("build"))["ragged_dot"]
-    torch_ops = sys.modules[module.__name__ + ".torch_ops"]
-    op, calls = torch_ops.experts_forward_op, []
-
-    def counted(*args):
-        calls.append(len(args))
-        return op(*args)
-
-    torch_ops.experts_forward_op = counted
-    ALL_EXPERTS_FUNCTIONS.register("hub_ragged_dot", module.experts_forward)
-    yield "hub_ragged_dot", calls
-    torch_ops.experts_forward_op = op
+    with counted_kernel("ragged_dot", "experts_forward_op", tmp_path_factory.mktemp("build")) as (module, calls):
+        ALL_EXPERTS_FUNCTIONS.register("hub_ragged_dot", module.experts_forward)
+        yield "hub_ragged_dot", calls
 
 
 # Sampled (tests/sampling.py): Qwen3-MoE's, Mixtral's and Nemotron-H's (ungated) experts;
