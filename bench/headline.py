@@ -156,22 +156,35 @@ def expert_parallel_per_chip(h: Headline, args, generation: str, shard: int = 0,
 
 
 # Ours on quantized experts (ragged_dot's rhs_scale): not an opponent, our own rows beside bf16's.
-QUANTIZED = {"ours, int8 weights (a scale per channel)": (jnp.int8, False),
-             "ours, fp8 weights (a scale per 128 x 128 block)": (jnp.float8_e4m3fn, True)}
+# impl -> (weights' dtype, scaling: "channel" (float32 per output channel), "block" (float32 per
+# 128 x 128 block, FineGrainedFP8's) or "mxfp4" (two fp4 codes per byte, an e8m0 exponent per 32)).
+QUANTIZED = {"ours, int8 weights (a scale per channel)": (jnp.int8, "channel"),
+             "ours, fp8 weights (a scale per 128 x 128 block)": (jnp.float8_e4m3fn, "block"),
+             "ours, MXFP4 weights (a power of two per 32)": (jnp.uint8, "mxfp4")}
+COLUMN = {"channel": "{dtype} per channel", "block": "{dtype} per block", "mxfp4": "MXFP4"}
 
 
-def quantized(h: Headline, args, generation: str, dtype, per_block: bool, interpret: bool = False):
+def quantized(h: Headline, args, generation: str, dtype, scaling: str, interpret: bool = False):
     """(fn, args): ours on the same layer with its weights in `dtype` and float32 scales, per output
-    channel or per 128 x 128 block (as FineGrainedFP8 checkpoints hold them)."""
+    channel or per 128 x 128 block (as FineGrainedFP8 checkpoints hold them); or (MXFP4) packed fp4
+    codes and their exponents, K-major as `ops.mxfp4_weights` holds them."""
     x, index, w, up, down = args
-    scale = lambda weight: jax.ShapeDtypeStruct(
-        (weight.shape[0], *(-(-d // 128) for d in weight.shape[1:])) if per_block else weight.shape[:2], jnp.float32)
-    q_args = (x, index, w, jax.ShapeDtypeStruct(up.shape, dtype), jax.ShapeDtypeStruct(down.shape, dtype),
-              scale(up), scale(down))
+    if scaling == "mxfp4":  # [E, N, K] -> [E, K / 2, N] bytes and [E, padded K / 32, N] exponents
+        packed = lambda weight: jax.ShapeDtypeStruct((weight.shape[0], weight.shape[2] // 2, weight.shape[1]), dtype)
+        scale = lambda weight: jax.ShapeDtypeStruct(
+            (weight.shape[0], ops.mxfp4_scale_rows(weight.shape[2]), weight.shape[1]), jnp.uint8)
+        up_q, down_q, transposed = packed(up), packed(down), True
+    else:
+        scale = lambda weight: jax.ShapeDtypeStruct(
+            (weight.shape[0], *(-(-d // 128) for d in weight.shape[1:])) if scaling == "block" else weight.shape[:2],
+            jnp.float32)
+        up_q, down_q, transposed = jax.ShapeDtypeStruct(up.shape, dtype), jax.ShapeDtypeStruct(down.shape, dtype), False
+    q_args = (x, index, w, up_q, down_q, scale(up), scale(down))
 
     def ours_quantized(x, idx, w, up, down, up_scale, down_scale):
         return ops.experts_forward(x, idx, w, up, down, activation=h.activation, up_scale=up_scale,
-                                   down_scale=down_scale, generation=generation, interpret=interpret)
+                                   down_scale=down_scale, transposed=transposed, generation=generation,
+                                   interpret=interpret)
 
     return ours_quantized, q_args
 
@@ -210,8 +223,8 @@ def programs(h: Headline, tokens: int, generation: str):
     args = inputs(h, tokens)
     found = {impl: (fn, args, True) for impl, fn in implementations(h, np.asarray(args[1]), generation).items()}
     found[EXPERT_PARALLEL] = (*expert_parallel_per_chip(h, args, generation), True)
-    for impl, (dtype, per_block) in QUANTIZED.items():
-        found[impl] = (*quantized(h, args, generation, dtype, per_block), True)
+    for impl, (dtype, scaling) in QUANTIZED.items():
+        found[impl] = (*quantized(h, args, generation, dtype, scaling), True)
     fused = fused_moe(h, tokens, generation)
     if fused is not None:
         found[FUSED_MOE] = (*fused, False)
@@ -293,19 +306,20 @@ def row_order(r: dict) -> tuple:
 def quantized_section(rows: list[dict], ours: dict) -> list[str]:
     """The quantized rows against ours in bf16: a row per (model, batch), a column per generation and
     format."""
-    kinds = {impl: f"{'int8' if jnp.issubdtype(dtype, jnp.integer) else 'fp8'} per {'block' if per_block else 'channel'}"
-             for impl, (dtype, per_block) in QUANTIZED.items()}
+    kinds = {impl: COLUMN[scaling].format(dtype="int8" if dtype == jnp.int8 else "fp8")
+             for impl, (dtype, scaling) in QUANTIZED.items()}
     ratio = {(r["model"], r["tokens"], r["generation"], r["impl"]): r["modeled_us"] / ours[key]
              for r in rows if r["impl"] in QUANTIZED and "error" not in r
              and (key := (r["model"], r["generation"], r["tokens"])) in ours}
     columns = [(g, impl) for g in GENERATIONS_RUN for impl in QUANTIZED]
     lines = [
-        "## Quantized experts: ours with a byte per weight over ours in bf16",
+        "## Quantized experts: ours with a byte per weight or less over ours in bf16",
         "",
         "Ours on the same layer with its experts' weights stored a byte each with float32 scales (`ragged_dot`'s",
-        "`rhs_scale`: per output channel, or per 128 x 128 block for fp8 e4m3): its modeled time / ours' in",
-        "bf16 at the same model, generation and batch (under 1, quantizing is faster). Not in the verdict,",
-        "which compares bf16 implementations.",
+        "`rhs_scale`: per output channel, or per 128 x 128 block for fp8 e4m3), or half a byte each (MXFP4:",
+        "fp4 e2m1 codes with a power-of-two exponent per 32 weights, gpt-oss's format): its modeled time /",
+        "ours' in bf16 at the same model, generation and batch (under 1, quantizing is faster). Not in the",
+        "verdict, which compares bf16 implementations.",
         "",
         "| model | batch | " + " | ".join(f"{g} {kinds[impl]}" for g, impl in columns) + " |",
         "|---|---|" + "---|" * len(columns),
@@ -405,9 +419,11 @@ How to read it:
   a lower bound. It refuses Gemma 4's hidden 2112 and intermediate 704 (it asks callers to pad them to
   multiples of 128 first).
 - The quantized rows are ours on the same weights stored a byte each with float32 scales
-  (`ragged_dot`'s `rhs_scale`): against ours in bf16 (`it / ours`), not in the verdict. v6e has no
-  fp8 arithmetic, so its fp8 rows pay for widening every weight; block scales take one MXU pass per
-  128-wide slice of the contraction.
+  (`ragged_dot`'s `rhs_scale`), or half a byte each (MXFP4): against ours in bf16 (`it / ours`), not in
+  the verdict. v6e has no fp8 arithmetic, so its fp8 rows pay for widening every weight; block scales
+  take one MXU pass per 128-wide slice of the contraction. MXFP4 decodes every code in VMEM (its bits
+  moved into an fp8 e4m3 byte, then the widening fp8 weights take, times its exponent): on v6e that
+  vector work, not the halved bytes, sets its time.
 - The expert-parallel row is one chip's share on v6e-8 (`ops.expert_parallel_experts_forward`, experts
   split 16 per chip, tokens replicated): its program without the final all-reduce of the output between
   chips, whose ICI time the schedule model cannot read. It compiles as a whole on an eight-chip v6e

@@ -31,11 +31,7 @@ def fp8_checkpoint_config(pretrained_model_name_or_path, **kwargs):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **kwargs)
-    # where transformers looks for it: the config, else its text config
-    holder = config if getattr(config, "quantization_config", None) else config.get_text_config(decoder=True)
-    quantization = getattr(holder, "quantization_config", None)
-    if quantization is not None and not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
+    holder, quantization = checkpoint_quantization(config)
     method = (quantization or {}).get("quant_method")
     if method != "fp8":
         raise ValueError(f"{pretrained_model_name_or_path}: quantization_config's quant_method is {method!r}: "
@@ -43,6 +39,16 @@ def fp8_checkpoint_config(pretrained_model_name_or_path, **kwargs):
     _register_with_transformers()
     holder.quantization_config = dict(quantization, quant_method=QUANT_METHOD)
     return config
+
+
+def checkpoint_quantization(config):
+    """(the config holding the quantization_config, it as a dict or None): where transformers looks
+    for it, the config, else its text config."""
+    holder = config if getattr(config, "quantization_config", None) else config.get_text_config(decoder=True)
+    quantization = getattr(holder, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    return holder, quantization
 
 
 def _register_with_transformers():

@@ -30,6 +30,29 @@ from jax.experimental.pallas import tpu as pltpu
 
 
 SCALE_BLOCK = 128  # block-scaled weights (FineGrainedFP8's weight_scale_inv): a scale per 128 x 128 block
+MX_BLOCK = 32  # MXFP4 (OCP microscaling, gpt-oss's experts): a power-of-two scale per 32 weights along K
+MXFP4_CHUNK = 256  # byte rows (512 of K) the kernel decodes and multiplies at a time
+
+
+def mxfp4_planes(packed, scales, dtype):
+    """MXFP4 weights as two planes in `dtype`: packed uint8 [R, C] holds two fp4 e2m1 codes per byte,
+    the low nibble K row 2r and the high nibble row 2r + 1; scales int32 [cdiv(R, 16), C] are e8m0
+    exponents, one per 32 K rows (16 bytes). Returns (lo, hi) [R, C]: code value x 2^(scale - 127),
+    exact in bf16 (two significant bits times a power of two) for scales up to 248.
+
+    Each code becomes an fp8 e4m3 byte by moving its bits (sign; exponent e1 e0 under two zero bits;
+    mantissa m over two zero bits): the same value times 2^-6, e2m1's subnormal (0.5) landing on
+    e4m3's. The bit moves run on the bytes as loaded (four to a 32-bit lane), the widening is the
+    one fp8 weights take, and 2^6 joins the scale's power."""
+    rows, cols = packed.shape
+    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
+    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
+    factor = jax.lax.bitcast_convert_type((scales + 6) << 23, jnp.float32)  # 2^(scale - 127 + 6)
+    half = MX_BLOCK // 2
+    factor = jnp.broadcast_to(factor[:, None, :], (factor.shape[0], half, cols)).reshape(-1, cols)[:rows]
+    factor = factor.astype(dtype)
+    widen = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(dtype) * factor
+    return widen(lo), widen(hi)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +136,14 @@ def _kernel(
     row_start, row_end, visit_group, visit_tile, weight_group, num_visits, fill_nan,
     lhs_ref, rhs_ref, *refs,
     num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool, has_scale: bool,
-    has_block_scale: bool,
+    has_block_scale: bool, mxfp4: bool,
 ):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     scale_ref = refs.pop(0) if has_scale else None
     block_scale_ref = refs.pop(0) if has_block_scale else None
+    # MXFP4: lhs_ref holds lhs's even columns, lhs_odd_ref its odd ones (the low and high nibbles' K rows)
+    lhs_odd_ref, mx_scale_ref = (refs.pop(0), refs.pop(0)) if mxfp4 else (None, None)
     out_ref, acc_ref = refs[0], (refs[1] if len(refs) > 1 else None)
     nn, v, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_steps = pl.num_programs(2)
@@ -127,7 +152,31 @@ def _kernel(
     contract_rhs = 1 if transpose_rhs else 0
     block_m, block_k = lhs_ref.shape
 
+    def mxfp4_product(last: bool):
+        """lhs's even columns times the low nibbles' plane plus its odd columns times the high ones',
+        MXFP4_CHUNK byte rows at a time (the planes' temporaries stay that small in VMEM)."""
+        rows = rhs_ref.shape[0]
+        valid = k_size % (2 * block_k) // 2 if last and k_size % (2 * block_k) else rows  # the last K block's overhang
+        lhs_even, lhs_odd = lhs_ref[...], lhs_odd_ref[...]
+        scales = mx_scale_ref[...].astype(jnp.int32)
+        total = None
+        for start in range(0, min(rows, valid), MXFP4_CHUNK):
+            end = min(start + MXFP4_CHUNK, rows)
+            half = MX_BLOCK // 2
+            lo, hi = mxfp4_planes(rhs_ref[start:end, :], scales[start // half:-(-end // half)], lhs_ref.dtype)
+            a, b = lhs_even[:, start:end], lhs_odd[:, start:end]
+            if end > valid:  # zero the overhang in both operands: past K, either may hold anything
+                a, b = (jnp.where(start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < valid, x, 0) for x in (a, b))
+                lo, hi = (jnp.where(start + jax.lax.broadcasted_iota(jnp.int32, w.shape, 0) < valid, w, 0)
+                          for w in (lo, hi))
+            dot = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
+            part = dot(a, lo) + dot(b, hi)
+            total = part if total is None else total + part
+        return total
+
     def product(last: bool):
+        if mxfp4:
+            return mxfp4_product(last)
         lhs, rhs = lhs_ref[...], rhs_ref[...]
         if rhs.dtype.itemsize == 1:  # quantized weights (int8, fp8) widen to lhs's dtype in VMEM, exactly;
             rhs = rhs.astype(lhs.dtype)  # their scale multiplies the fp32 product at the store, or (lhs's
@@ -215,6 +264,7 @@ def grouped_matmul(
     fill_nan: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
     rhs_block_scale: jax.Array | None = None,
+    rhs_mx_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The pallas_call. lhs rows must already be a multiple of block_m; K
     and N blocks need not divide K and N (edge blocks are masked or clipped).
@@ -224,6 +274,9 @@ def grouped_matmul(
     rhs_block_scale: float32 [G, cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)] or
     None: rhs times its SCALE_BLOCK x SCALE_BLOCK block's scale is the weight
     (block_k a multiple of SCALE_BLOCK, or all of K).
+    rhs_mx_scale: uint8 [G, K / MX_BLOCK, N] or None: rhs is MXFP4, uint8 [G, K / 2, N] with two fp4
+    e2m1 codes per byte (see `mxfp4_planes`), and these its e8m0 scales (not with transpose_rhs;
+    block_k all of K or a multiple of 1024, so the scales' blocks are whole uint8 tiles).
     fill_nan: a bool scalar on the device, or None (False): the rows past the
     groups are NaN instead of zero (how callers report invalid group sizes
     without a pass over any array: they pass all sizes zero).
@@ -236,6 +289,8 @@ def grouped_matmul(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
     assert m % bm == 0, (lhs.shape, blocks)
+    mxfp4 = rhs_mx_scale is not None
+    assert not mxfp4 or (not transpose_rhs and k % MX_BLOCK == 0 and (bk >= k or bk % 1024 == 0)), (rhs.shape, blocks)
     k_steps = pl.cdiv(k, bk)
     fill_flag = jnp.zeros((1,), jnp.int32) if fill_nan is None else jnp.asarray(fill_nan, jnp.int32).reshape(1)
     visits = make_visits(group_sizes, m, bm)
@@ -267,6 +322,10 @@ def grouped_matmul(
     rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
     in_specs = [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
     operands = [lhs, rhs]
+    if mxfp4:  # K in pairs: a K block is bk / 2 bytes of rhs and bk / 2 of each of lhs's halves
+        bk = min(bk, k)
+        in_specs = [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, bk // 2, bn), rhs_map)]
+        operands = [lhs[:, 0::2], rhs]
     for per_channel in (bias, rhs_scale):  # [G, 1, N]: a (1, bn) block per step, its group's
         if per_channel is not None:
             in_specs.append(pl.BlockSpec((None, 1, bn), per_channel_map))
@@ -275,18 +334,23 @@ def grouped_matmul(
         assert bk % SCALE_BLOCK == 0 or k_steps == 1, blocks
         in_specs.append(pl.BlockSpec((None, *rhs_block_scale.shape[1:]), per_group_map))
         operands.append(rhs_block_scale)
+    if mxfp4:
+        scale_rows = rhs_mx_scale.shape[1] if bk >= k else bk // MX_BLOCK  # one K step: all (padded) rows
+        in_specs += [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, scale_rows, bn), rhs_map)]
+        operands += [lhs[:, 1::2], rhs_mx_scale]
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     flops = 2 * m * k * n  # upper bound: every row once
     cost = pl.CostEstimate(
         flops=flops,
         transcendentals=0,
-        bytes_accessed=m * k * lhs.dtype.itemsize + num_groups * k * n * rhs.dtype.itemsize
+        bytes_accessed=m * k * lhs.dtype.itemsize + rhs.size * rhs.dtype.itemsize
         + m * n * jnp.dtype(out_dtype).itemsize,
     )
     return pl.pallas_call(
         functools.partial(
             _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k,
             has_bias=bias is not None, has_scale=rhs_scale is not None, has_block_scale=rhs_block_scale is not None,
+            mxfp4=mxfp4,
         ),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(

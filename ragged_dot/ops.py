@@ -7,6 +7,7 @@ weights' gradient the transposed grouped matmul kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,7 @@ from jax.experimental.layout import Layout
 
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
-from .kernel import SCALE_BLOCK, grouped_matmul, transposed_grouped_matmul
+from .kernel import MX_BLOCK, MXFP4_CHUNK, SCALE_BLOCK, grouped_matmul, transposed_grouped_matmul
 from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
 
 
@@ -34,17 +35,29 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
     itemsize = jnp.dtype(lhs.dtype).itemsize
+    mxfp4 = rhs.dtype == jnp.uint8
     blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs,
                                      weight_itemsize=rhs.dtype.itemsize)
+    buffers = forward_buffers(blocks, itemsize)
+    if mxfp4:
+        # K whole up to MXFP4_MAX_BLOCK_K (its scales' block is then all of K / 32), else steps of it;
+        # the buffers as for weights of lhs's dtype, plus one chunk's decoding temporaries.
+        blocks = dataclasses.replace(blocks, block_k=k if k <= MXFP4_MAX_BLOCK_K else MXFP4_MAX_BLOCK_K)
+        buffers = forward_buffers(blocks, itemsize) + 8 * MXFP4_CHUNK * blocks.block_n * 4
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
+    per_channel = rhs_scale is not None and rhs_scale.ndim == 2
     out = grouped_matmul(
         lhs_padded, rhs, group_sizes.astype(jnp.int32), blocks=blocks, transpose_rhs=transpose_rhs,
-        out_dtype=lhs.dtype, vmem_limit=vmem_limit(forward_buffers(blocks, itemsize), generation), interpret=interpret,
-        bias=bias, fill_nan=fill_nan, rhs_scale=rhs_scale if rhs_scale is None or rhs_scale.ndim == 2 else None,
-        rhs_block_scale=rhs_scale if rhs_scale is not None and rhs_scale.ndim == 3 else None,
+        out_dtype=lhs.dtype, vmem_limit=vmem_limit(buffers, generation), interpret=interpret,
+        bias=bias, fill_nan=fill_nan, rhs_scale=rhs_scale if per_channel else None,
+        rhs_block_scale=rhs_scale if rhs_scale is not None and not per_channel and not mxfp4 else None,
+        rhs_mx_scale=rhs_scale if mxfp4 else None,
     )
     return out[:m]
+
+
+MXFP4_MAX_BLOCK_K = 4096  # a multiple of 1024: K steps of MXFP4 weights (scale blocks of whole uint8 tiles)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -71,6 +84,9 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, blocks, residuals, gra
     if bias is not None:  # d bias[g] = the sum of grad_out over g's rows (segment G dropped)
         grad_bias = jax.ops.segment_sum(grad_out.astype(jnp.float32), segment, num_segments=bias.shape[0] + 1)
         grad_bias = grad_bias[:-1].astype(bias.dtype)
+    if rhs.dtype == jnp.uint8:
+        raise NotImplementedError("lhs's gradient through MXFP4 weights is not implemented yet; int8 and "
+                                  "float8_e4m3fn weights have it")
     if rhs_scale is not None and rhs_scale.ndim == 3:
         # Per block: d lhs = grad_out @ (rhs * scales)^T, the same kernel with the layout and the
         # scales' [N blocks, K blocks] flipped. A quantized, frozen weight gets no gradient.
@@ -119,8 +135,17 @@ def _shape_of(name, shape, ndim):
     return shape
 
 
+def weight_shape(shape, dtype, transpose_rhs=False) -> tuple[int, ...]:
+    """The weights' logical [G, K, N] (or [G, N, K]) shape: MXFP4 bytes hold two weights each along K."""
+    shape = tuple(shape)
+    if dtype != jnp.uint8 or len(shape) != 3:
+        return shape
+    return (shape[0], shape[1], 2 * shape[2]) if transpose_rhs else (shape[0], 2 * shape[1], shape[2])
+
+
 def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs):
-    """Shape checks shared by the JAX and torch entry points (shapes only)."""
+    """Shape checks shared by the JAX and torch entry points (shapes only; rhs's logical
+    shape, `weight_shape`)."""
     m, k = _shape_of("lhs", lhs, 2)
     rhs = _shape_of("rhs", rhs, 3)
     (groups,) = _shape_of("group_sizes", group_sizes, 1)
@@ -194,6 +219,8 @@ def as_stored(rhs, transpose_rhs: bool, order=None):
     flows back through it. Weights held with the group dim not major (libtpu stores Gemma 4's
     down_proj [128, 2112, 704] as [2112, 704, 128]) have no such view and are left as they are:
     XLA copies them."""
+    if rhs.dtype == jnp.uint8:  # MXFP4: the kernel takes [G, K / 2, N] only (XLA copies another held layout)
+        return rhs, transpose_rhs
     order = stored_order(rhs.shape, rhs.dtype) if order is None else tuple(order)
     if order == (0, 2, 1):
         return jnp.swapaxes(rhs, 1, 2), not transpose_rhs
@@ -207,14 +234,18 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
     Args:
       lhs: [M, K], rows sorted by group (bf16 or fp32).
       rhs: [G, K, N], or [G, N, K] with transpose_rhs (transformers' layout): lhs's dtype, or
-        quantized (int8, float8_e4m3fn) with rhs_scale.
+        quantized (int8, float8_e4m3fn) with rhs_scale; or MXFP4 (gpt-oss's experts): uint8
+        [G, K / 2, N], two fp4 e2m1 codes per byte along K (low nibble first), not transposed
+        (`mxfp4_weights` lays out gpt-oss's stored blocks so, once).
       group_sizes: int32 [G], rows per group, summing to at most M.
       rhs_scale: float32 scales of int8 or fp8 weights, as quantized checkpoints hold them: [G, N],
         the weight is rhs times this per output channel; or one per SCALE_BLOCK x SCALE_BLOCK
         (128 x 128) block of rhs, laid out as rhs ([G, cdiv(K, 128), cdiv(N, 128)], or
         [G, cdiv(N, 128), cdiv(K, 128)] with transpose_rhs: FineGrainedFP8's weight_scale_inv).
         The kernel reads rhs as stored (a byte per weight) and scales the fp32 products; lhs's
-        gradient flows, rhs gets none (a frozen quantized weight).
+        gradient flows, rhs gets none (a frozen quantized weight). MXFP4: uint8 (or
+        float8_e8m0fnu) e8m0 exponents [G, K / 32, N], one per 32 weights along K; the kernel
+        reads half a byte per weight and decodes them in VMEM (no gradient yet).
       generation: TPU generation whose block table to use ("v5e", "v5p",
         "v6e", "tpu7x"); default: the current device's.
       interpret: False compiles for the TPU; True or a
@@ -228,7 +259,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
     past M) make the whole output NaN: checked on the device, with no
     round trip to the host, and no kernel reads outside its inputs.
     """
-    check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs)
+    check_ragged_dot_shapes(lhs.shape, weight_shape(rhs.shape, rhs.dtype, transpose_rhs), group_sizes.shape,
+                            transpose_rhs)
     check_rhs_scale(lhs.dtype, rhs, rhs_scale, transpose_rhs)
     generation, interpret = _resolve(generation, interpret)
     sizes, valid = walkable_group_sizes(group_sizes.astype(jnp.int32), lhs.shape[0])
@@ -241,12 +273,16 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
                        blocks)
 
 
-QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with scales
+QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with float32 scales
+MXFP4_SCALES = (jnp.uint8, jnp.float8_e8m0fnu)  # MXFP4 weights' (uint8) e8m0 exponents, either dtype
 
 
 def n_major(scale, transpose_rhs: bool):
     """Scales as the kernels take them: per channel [G, N] as given; per block, laid out as the
-    weights, [G, N blocks, K blocks] (a swap of the small scale array when the weights are [G, K, N])."""
+    weights, [G, N blocks, K blocks] (a swap of the small scale array when the weights are [G, K, N]);
+    MXFP4's e8m0 exponents [G, K / 32, N] as given, as uint8."""
+    if scale is not None and scale.dtype in MXFP4_SCALES:
+        return jax.lax.bitcast_convert_type(scale, jnp.uint8) if scale.dtype != jnp.uint8 else scale
     return jnp.swapaxes(scale, 1, 2) if scale is not None and scale.ndim == 3 and not transpose_rhs else scale
 
 
@@ -255,10 +291,13 @@ def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs
     `ragged_dot`); other weights are floating point. names: the three arguments as the caller passed
     them."""
     lhs_name, rhs_name, scale_name = names
+    if rhs.dtype == jnp.uint8:
+        check_mxfp4_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names)
+        return
     quantized = any(rhs.dtype == d for d in QUANTIZED)
     if not quantized and (not jnp.issubdtype(rhs.dtype, jnp.floating) or jnp.dtype(rhs.dtype).itemsize == 1):
         raise ValueError(f"{rhs_name} is {rhs.dtype}: weights are floating point, or int8 or float8_e4m3fn "
-                         f"with {scale_name}")
+                         f"with {scale_name}, or uint8 (MXFP4) with its e8m0 {scale_name}")
     if rhs_scale is None:
         if quantized:
             raise ValueError(f"{rhs_name} is {rhs.dtype}: {scale_name} (its float32 scales, per output channel or "
@@ -274,6 +313,43 @@ def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs
                          f"got {rhs_scale.dtype} {tuple(rhs_scale.shape)}")
     if lhs_dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"{lhs_name} must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
+
+
+def check_mxfp4_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names) -> None:
+    """MXFP4 weights: uint8 [G, K / 2, N] (not transposed) with e8m0 exponents [G, K / 32, N]."""
+    lhs_name, rhs_name, scale_name = names
+    if transpose_rhs:
+        raise ValueError(f"{rhs_name} is uint8 (MXFP4) in the [G, N, K / 2] layout: the kernel takes it as "
+                         f"[G, K / 2, N] (mxfp4_weights lays out gpt-oss's stored blocks so)")
+    groups, k, n = weight_shape(rhs.shape, rhs.dtype)
+    rows = (k // MX_BLOCK, mxfp4_scale_rows(k))
+    ok = rhs_scale is not None and rhs_scale.dtype in MXFP4_SCALES and rhs_scale.ndim == 3 and k % MX_BLOCK == 0
+    if not ok or (rhs_scale.shape[0], rhs_scale.shape[2]) != (groups, n) or rhs_scale.shape[1] not in rows:
+        got = "none" if rhs_scale is None else f"{rhs_scale.dtype} {tuple(rhs_scale.shape)}"
+        raise ValueError(f"{rhs_name} is uint8 (MXFP4, K = {k}): {scale_name} must be its e8m0 exponents, uint8 or "
+                         f"float8_e8m0fnu {(groups, rows[0], n)} (one per {MX_BLOCK} weights along K, K a multiple "
+                         f"of {MX_BLOCK}; or {rows[1]} rows, padded as mxfp4_weights holds them), got {got}")
+    if lhs_dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"{lhs_name} must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
+
+
+def mxfp4_scale_rows(k: int) -> int:
+    """MXFP4 scales' rows as `mxfp4_weights` holds them: K / 32 rounded up to whole uint8 tiles (32
+    rows), which the kernel reads as stored; unpadded, XLA copies them into that tiling per call."""
+    return round_up(k // MX_BLOCK, 32)
+
+
+def mxfp4_weights(blocks, scales):
+    """gpt-oss's stored MXFP4 experts (`*_blocks` uint8 [E, N, K / 32, 16], `*_scales` uint8 [E, N,
+    K / 32], as transformers' Mxfp4 loader holds them) -> (weights uint8 [E, K / 2, N], scales uint8
+    [E, mxfp4_scale_rows(K), N]), the layout `ragged_dot` and `experts_forward` (transposed) take:
+    the same bytes K-major, so each 32-weight scale serves 16 rows of a block, the scales' rows
+    padded with zeros (never read). A one-time transform at load."""
+    experts, n, k_blocks, pairs = blocks.shape
+    weights = jnp.swapaxes(blocks.reshape(experts, n, k_blocks * pairs), 1, 2)
+    scales = jnp.swapaxes(scales.astype(jnp.uint8), 1, 2)
+    rows = mxfp4_scale_rows(k_blocks * MX_BLOCK)
+    return weights, jnp.pad(scales, ((0, 0), (0, rows - k_blocks), (0, 0)))
 
 
 def route(top_k_index, num_experts):
@@ -329,16 +405,19 @@ def experts_forward(
     (None or empty: no bias). activation: a key of ACTIVATIONS, or
     CLAMPED_SWIGLU with alpha and limit. up_scale and down_scale: float32
     scales of int8 or float8_e4m3fn weights, per output channel ([E, U],
-    [E, H]) or per 128 x 128 block laid out as the weights (see
-    `ragged_dot`). Returns [T, H]. An id outside
+    [E, H]) or per 128 x 128 block laid out as the weights; or MXFP4 weights
+    (transposed: uint8 [E, H / 2, U] and [E, I / 2, H]) with their e8m0
+    exponents (see `ragged_dot` and `mxfp4_weights`). Returns [T, H]. An id outside
     [0, E] makes the whole output NaN: checked on the device, with no round
     trip to the host (such rows are never multiplied: routing cannot place
     a row outside the groups).
     """
     up_bias = None if up_bias is None or up_bias.size == 0 else up_bias
     down_bias = None if down_bias is None or down_bias.size == 0 else down_bias
-    check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up_proj.shape,
-                         down_proj.shape, (0,) if up_bias is None else up_bias.shape,
+    check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape,
+                         weight_shape(up_proj.shape, up_proj.dtype, not transposed),
+                         weight_shape(down_proj.shape, down_proj.dtype, not transposed),
+                         (0,) if up_bias is None else up_bias.shape,
                          (0,) if down_bias is None else down_bias.shape, gated=gated, transposed=transposed)
     up_name = "gate_up_proj" if gated else "up_proj"
     for weights, scale, names in ((up_proj, up_scale, ("hidden_states", up_name, "up_scale")),

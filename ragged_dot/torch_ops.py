@@ -86,6 +86,10 @@ quantized_experts_forward_op = jax_custom_op(
 )
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE_SUFFIX = "_scale_inv"  # as transformers' FP8 experts name a weight's scales (weight times them)
+# MXFP4 experts (mxfp4_checkpoint_config): uint8 weights, two fp4 codes per byte, with their e8m0
+# exponents `<weight>_scales` (ops.mxfp4_weights' layout).
+MXFP4_SCALE_SUFFIX = "_scales"
+MXFP4_SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 
 
 def ragged_dot(
@@ -169,7 +173,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     interleaved) or up_proj without a gate, transposed or not, optional
     biases, its activation or gpt-oss's clamped SwiGLU; quantized weights
     (int8 or float8_e4m3fn, see `quantize_experts`) with their float32 scales
-    `<weight>_scale_inv`. Expert id E in top_k_index marks a token routed to
+    `<weight>_scale_inv`, or MXFP4 (uint8, see `mxfp4_checkpoint_config`) with
+    their e8m0 exponents `<weight>_scales`. Expert id E in top_k_index marks a token routed to
     another expert-parallel shard; it costs nothing and contributes zero.
     One op per layer, differentiable (quantized weights are frozen).
     """
@@ -180,21 +185,26 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         up_bias, down_bias = getattr(self, up_name + "_bias"), self.down_proj_bias
     else:
         up_bias = down_bias = hidden_states.new_empty(0)
-    quantized = up.dtype in QUANTIZED_DTYPES or down.dtype in QUANTIZED_DTYPES
-    up_scale, down_scale = (getattr(self, name + SCALE_SUFFIX, None) for name in (up_name, "down_proj"))
+    mxfp4 = torch.uint8 in (up.dtype, down.dtype)
+    quantized = mxfp4 or up.dtype in QUANTIZED_DTYPES or down.dtype in QUANTIZED_DTYPES
+    suffix = MXFP4_SCALE_SUFFIX if mxfp4 else SCALE_SUFFIX
+    up_scale, down_scale = (getattr(self, name + suffix, None) for name in (up_name, "down_proj"))
     if quantized and (up_scale is None or down_scale is None):
-        raise ValueError(f"{type(self).__name__}: {up_name} is {up.dtype} and down_proj {down.dtype}: "
-                         f"quantized experts need {up_name}{SCALE_SUFFIX} and down_proj{SCALE_SUFFIX} (quantize_experts)")
-    weight_dtypes = QUANTIZED_DTYPES if quantized else FLOAT_DTYPES
+        raise ValueError(f"{type(self).__name__}: {up_name} is {up.dtype} and down_proj {down.dtype}: quantized "
+                         f"experts need {up_name}{suffix} and down_proj{suffix} "
+                         f"({'mxfp4_checkpoint_config' if mxfp4 else 'quantize_experts'})")
+    weight_dtypes = (torch.uint8,) if mxfp4 else QUANTIZED_DTYPES if quantized else FLOAT_DTYPES
     tensors = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights,
                up_name: up, "down_proj": down, up_name + "_bias": up_bias, "down_proj_bias": down_bias}
     if quantized:
-        tensors.update({up_name + SCALE_SUFFIX: up_scale, "down_proj" + SCALE_SUFFIX: down_scale})
+        tensors.update({up_name + suffix: up_scale, "down_proj" + suffix: down_scale})
     for name, tensor in tensors.items():
         dtypes = {"top_k_index": None, "top_k_weights": FLOAT_DTYPES + (torch.float16,), up_name: weight_dtypes,
-                  "down_proj": weight_dtypes}.get(name, FLOAT_DTYPES)
+                  "down_proj": weight_dtypes, up_name + MXFP4_SCALE_SUFFIX: MXFP4_SCALE_DTYPES,
+                  "down_proj" + MXFP4_SCALE_SUFFIX: MXFP4_SCALE_DTYPES}.get(name, FLOAT_DTYPES)
         check_tensor(name, tensor, None, dtypes)
-    ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up.shape, down.shape,
+    logical = lambda w: ops.weight_shape(w.shape, torch_dtype_to_jax(w.dtype), not layout["transposed"])
+    ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, logical(up), logical(down),
                              up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"])
     check_same_device(**tensors)
     must_match = (up_name + "_bias", "down_proj_bias") + (() if quantized else (up_name, "down_proj"))
@@ -203,8 +213,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
             raise TypeError(f"{name} dtype {tensors[name].dtype} must match hidden_states' dtype {hidden_states.dtype}")
     if quantized:  # scales' shapes and dtypes, named as the module holds them
         spec = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), torch_dtype_to_jax(t.dtype))
-        for weight, scale, names in ((up, up_scale, ("hidden_states", up_name, up_name + SCALE_SUFFIX)),
-                                     (down, down_scale, ("hidden_states", "down_proj", "down_proj" + SCALE_SUFFIX))):
+        for weight, scale, names in ((up, up_scale, ("hidden_states", up_name, up_name + suffix)),
+                                     (down, down_scale, ("hidden_states", "down_proj", "down_proj" + suffix))):
             ops.check_rhs_scale(torch_dtype_to_jax(hidden_states.dtype), spec(weight), spec(scale),
                                 not layout["transposed"], names)
     num_experts = up.shape[0]

@@ -23,6 +23,7 @@ import build_collection
 import seed_models
 import test_flash_attention_kvcache as kvcache
 import test_fp8_checkpoints
+import test_mxfp4_checkpoints
 import test_paged_attention_torch as paged_torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +89,8 @@ def checkpoints(tmp_path_factory):
         model.save_pretrained(saved[name])
     fp8 = root / "Qwen--Qwen3-30B-A3B-FP8"
     saved["Qwen/Qwen3-30B-A3B-FP8"] = str(test_fp8_checkpoints.fp8_checkpoint("qwen3_moe", torch.float32, fp8)[0])
+    mxfp4 = root / "openai--gpt-oss-120b"
+    saved["openai/gpt-oss-120b"] = str(test_mxfp4_checkpoints.mxfp4_checkpoint(mxfp4)[0])
     return saved
 
 
@@ -131,6 +134,18 @@ def check_fp8(model, checkpoints, name):
     experts = [m for m in model.modules() if hasattr(m, "down_proj_scale_inv")]
     assert experts and all(m.down_proj.dtype == torch.float8_e4m3fn for m in experts)
     reference = AutoModelForCausalLM.from_pretrained(checkpoints[name]).eval()
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model.eval()(ids).logits, reference(ids).logits
+    assert (got - want).abs().max() <= LOGIT_TOLERANCE * want.abs().max(), name
+
+
+def check_mxfp4(model, checkpoints, name):
+    """The model's experts in MXFP4 as stored, its logits those of transformers' own load of the
+    checkpoint (its experts dequantized to bf16, exactly, then fp32: only the summation order differs)."""
+    experts = [m for m in model.modules() if hasattr(m, "down_proj_scales")]
+    assert experts and all(m.down_proj.dtype == torch.uint8 for m in experts)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints[name]).eval().float()
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = model.eval()(ids).logits, reference(ids).logits
@@ -190,6 +205,8 @@ def run_paragraph(doc, block, index, code, ns, checkpoints) -> bool:
         check = lambda: check_quantized(ns["model"], checkpoints, "Qwen/Qwen3-30B-A3B")
     elif key == ("ragged_dot", 2, 1):
         check = lambda: check_fp8(ns["model"], checkpoints, "Qwen/Qwen3-30B-A3B-FP8")
+    elif key == ("ragged_dot", 3, 0):
+        check = lambda: check_mxfp4(ns["model"], checkpoints, "openai/gpt-oss-120b")
     elif key in {("README", 0, 2), ("flash_attention", 0, 1)}:
         check = lambda: (check_logits(ns["model"], checkpoints, "Qwen/Qwen3-8B"),
                          assert_implementation(ns["model"], "attn", flash_repo))

@@ -6,6 +6,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
@@ -219,9 +220,20 @@ def test_headline_baselines_do_the_same_work():
     total = np.sum([np.asarray(part, np.float32) for part in shares], axis=0)
     np.testing.assert_allclose(total, want, atol=4 * 2**-8 * scale, err_msg="expert-parallel shares")
     # The quantized rows are ours on the same layer with a byte per weight: weights of eighths stored as
-    # their multiples of 1/8 (exact in int8 and fp8 at these sizes) with every scale 1/8.
-    for impl, (dtype, per_block) in headline.QUANTIZED.items():
-        fn, specs = headline.quantized(h, (hidden, index, weights, up, down), "v6e", dtype, per_block, interpret=True)
+    # their multiples of 1/8 (exact in int8 and fp8 at these sizes) with every scale 1/8. MXFP4: random
+    # fp4 codes, every exponent 2^-3, packed two per byte along K and K-major as ops.mxfp4_weights holds them.
+    fp4_values = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    for impl, (dtype, scaling) in headline.QUANTIZED.items():
+        fn, specs = headline.quantized(h, (hidden, index, weights, up, down), "v6e", dtype, scaling, interpret=True)
+        if scaling == "mxfp4":
+            codes = [rng.integers(0, 16, w.shape).astype(np.uint8) for w in args[3:]]  # [E, N, K]
+            eighths = [jnp.asarray(fp4_values[c] / 8, jnp.bfloat16) for c in codes]
+            packed = [jnp.asarray(np.swapaxes(c[..., 0::2] | (c[..., 1::2] << 4), 1, 2)) for c in codes]
+            got = fn(*args[:3], *packed, *(jnp.full(spec.shape, 124, jnp.uint8) for spec in specs[5:]))
+            want_fp4 = np.asarray(ours(*args[:3], *eighths), np.float32)
+            np.testing.assert_allclose(np.asarray(got, np.float32), want_fp4, atol=4 * 2**-8 * np.abs(want_fp4).max(),
+                                       err_msg=impl)
+            continue
         stored = [jnp.clip(jnp.round(w.astype(jnp.float32) * 8), -15, 15) for w in args[3:]]
         eighths = [(x / 8).astype(jnp.bfloat16) for x in stored]
         scales = [jnp.full(spec.shape, 1 / 8, jnp.float32) for spec in specs[5:]]

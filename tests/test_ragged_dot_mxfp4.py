@@ -1,0 +1,159 @@
+"""ragged_dot and experts_forward with MXFP4 weights (gpt-oss's experts: two fp4 e2m1 codes per
+byte along K, an e8m0 exponent per 32 weights): the kernel reads half a byte per weight and decodes
+in VMEM. Against transformers' own dequantization (`convert_moe_packed_tensors`, what its Mxfp4
+loader computes off CUDA) in interpret mode and the TPU interpreter; bad input named; a decode-sized
+call compiled for v6e reading the packed bytes with no copy before the kernel."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from jax.experimental.pallas import tpu as pltpu
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+import tpu_compile
+from ragged_dot import ops
+from ragged_dot.kernel import BlockSizes, mxfp4_planes
+from runtime.generations import GENERATIONS
+
+# K = 2112: 66 scales per column (padded to 96 rows as mxfp4_weights holds them); with blocks of
+# 1024 the last K step is partial. N = 300: the last N tile partial. An empty group, rows past the
+# groups.
+G, K, N, M = 3, 2112, 300, 40
+SIZES = (10, 0, 25)
+# fp32: every decoded weight is exact in fp32 and the products run at HIGHEST: only the summation
+# order differs. bf16: the output's rounding, half an ulp (2^-8 of the largest value).
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2 ** -8}
+
+
+def _stored(seed=0, groups=G, k=K, n=N):
+    """gpt-oss's stored experts: blocks uint8 [G, N, K / 32, 16] (every code, random), scales
+    uint8 [G, N, K / 32] distinct per group, column and 32 weights (2^-9 .. 2^2)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (groups, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(118, 130, (groups, n, k // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+def _dequantized(blocks, scales):
+    """transformers' dequantization in fp32: [G, K, N]."""
+    weight = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    return jnp.asarray(weight.numpy())
+
+
+def _reference(lhs, weight, sizes):
+    return jax.lax.ragged_dot(lhs.astype(jnp.float32), weight, sizes, precision=jax.lax.Precision.HIGHEST)
+
+
+def test_every_code_decodes_to_its_e2m1_value_times_its_scale():
+    """Each byte's low nibble is the even K row, its high nibble the odd one; e2m1's subnormal (0.5)
+    and signed zeros included; each group of 16 bytes (32 weights) takes its own scale."""
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16).T  # column c: bytes 16c .. 16c + 15
+    # One scale per column (16 bytes), 2^-125 .. 2^121: every value a normal float32.
+    exponents = np.array([[2, 100, 120, 126, 127, 128, 129, 130, 140, 150, 160, 200, 240, 244, 248, 127]], np.int32)
+    lo, hi = mxfp4_planes(jnp.asarray(codes), jnp.asarray(exponents), jnp.float32)
+    values = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    power = np.exp2(exponents.astype(np.float64) - 127)
+    np.testing.assert_array_equal(np.asarray(lo), values[codes & 15] * power)
+    np.testing.assert_array_equal(np.asarray(hi), values[codes >> 4] * power)
+
+
+@pytest.mark.parametrize("blocks", [None, BlockSizes(block_m=16, block_k=1024, block_n=128)],
+                         ids=["table", "k_steps_and_n_tiles"])
+@pytest.mark.parametrize("lhs_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("padded", [True, False], ids=["held", "scales_unpadded"])
+def test_matches_transformers_dequantized_weights(lhs_dtype, blocks, padded):
+    stored_blocks, stored_scales = _stored()
+    rhs, scales = ops.mxfp4_weights(jnp.asarray(stored_blocks), jnp.asarray(stored_scales))
+    assert rhs.shape == (G, K // 2, N) and rhs.dtype == jnp.uint8 and scales.shape == (G, 96, N)
+    if not padded:
+        scales = scales[:, :K // 32].view(jnp.float8_e8m0fnu)  # and the e8m0 dtype, as torch may hold them
+    lhs = jnp.asarray(np.random.default_rng(1).standard_normal((M, K)), jnp.float32).astype(lhs_dtype)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scales, blocks=blocks)
+    want = _reference(lhs, _dequantized(stored_blocks, stored_scales), sizes)
+    assert out.shape == (M, N) and out.dtype == lhs_dtype
+    assert jnp.max(jnp.abs(out.astype(jnp.float32) - want)) <= TOLERANCE[lhs_dtype] * jnp.max(jnp.abs(want))
+    assert not np.any(np.asarray(out[sum(SIZES):])), "rows past the groups are zero"
+
+
+def test_passes_the_tpu_interpreter():
+    """Races, out-of-bounds DMAs and uninitialised reads (NaN-filled memory: the last K block's
+    overhang must not reach the sum), three K steps and partial N tiles."""
+    stored_blocks, stored_scales = _stored(seed=2)
+    rhs, scales = ops.mxfp4_weights(jnp.asarray(stored_blocks), jnp.asarray(stored_scales))
+    lhs = jnp.asarray(np.random.default_rng(3).standard_normal((M, K)), jnp.bfloat16)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scales, blocks=BlockSizes(16, 1024, 256),
+                         interpret=pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan"))
+    want = _reference(lhs, _dequantized(stored_blocks, stored_scales), sizes)
+    assert jnp.max(jnp.abs(out.astype(jnp.float32) - want)) <= TOLERANCE[jnp.bfloat16] * jnp.max(jnp.abs(want))
+
+
+def test_experts_forward_matches_the_dequantized_experts():
+    """gpt-oss's experts (transposed layout, interleaved clamped SwiGLU, biases), both projections
+    MXFP4, against the same forward on transformers' dequantized fp32 weights."""
+    rng = np.random.default_rng(4)
+    tokens, hidden, inter, experts, top_k = 6, 128, 96, 4, 2
+    up_blocks, up_scales = _stored(5, experts, hidden, 2 * inter)
+    down_blocks, down_scales = _stored(6, experts, inter, hidden)
+    up, up_scale = ops.mxfp4_weights(jnp.asarray(up_blocks), jnp.asarray(up_scales))
+    down, down_scale = ops.mxfp4_weights(jnp.asarray(down_blocks), jnp.asarray(down_scales))
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32)
+    biases = (jnp.asarray(rng.standard_normal((experts, 2 * inter)), jnp.float32),
+              jnp.asarray(rng.standard_normal((experts, hidden)), jnp.float32))
+    gate = dict(activation=ops.CLAMPED_SWIGLU, interleaved=True, transposed=True, alpha=1.702, limit=7.0)
+    got = ops.experts_forward(x, ids, weights, up, down, *biases, up_scale=up_scale, down_scale=down_scale, **gate)
+    want = ops.experts_forward(x, ids, weights, _dequantized(up_blocks, up_scales),
+                               _dequantized(down_blocks, down_scales), *biases, **gate)
+    assert jnp.max(jnp.abs(got - want)) <= 1e-5 * jnp.max(jnp.abs(want))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(rhs_scale=None), r"rhs_scale must be its e8m0 exponents, uint8 or float8_e8m0fnu \(3, 66, 300\).*got none"),
+    (dict(rhs_scale=jnp.ones((G, 66, N), jnp.float32)), r"got float32 \(3, 66, 300\)"),
+    (dict(rhs_scale=jnp.ones((G, 67, N), jnp.uint8)), r"or 96 rows, padded as mxfp4_weights holds them"),
+    (dict(rhs=jnp.ones((G, 1000, N), jnp.uint8), lhs=jnp.ones((M, 2000), jnp.bfloat16)),
+     r"K = 2000\).*K a multiple of 32"),
+    (dict(transpose_rhs=True, rhs=jnp.ones((G, N, K // 2), jnp.uint8)), r"in the \[G, N, K / 2\] layout"),
+    (dict(lhs=jnp.ones((M, K), jnp.float16)), "lhs must be bfloat16 or float32"),
+    (dict(rhs=jnp.ones((G, K, N), jnp.uint8)), r"rhs .* does not contract with lhs"),
+])
+def test_bad_input_is_named_before_any_kernel(change, match):
+    args = dict(lhs=jnp.ones((M, K), jnp.bfloat16), rhs=jnp.ones((G, K // 2, N), jnp.uint8),
+                group_sizes=jnp.asarray(SIZES, jnp.int32), rhs_scale=jnp.ones((G, 96, N), jnp.uint8))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        ops.ragged_dot(**args)
+
+
+def test_the_gradient_says_it_is_not_there_yet():
+    rhs, scales = ops.mxfp4_weights(*(jnp.asarray(a) for a in _stored(groups=1, k=64, n=128)))
+    lhs, sizes = jnp.ones((16, 64), jnp.float32), jnp.asarray([16], jnp.int32)
+    with pytest.raises(NotImplementedError, match="MXFP4"):
+        jax.grad(lambda x: jnp.sum(ops.ragged_dot(x, rhs, sizes, rhs_scale=scales)))(lhs)
+
+
+def test_decode_compiles_for_v6e_reading_half_a_byte_per_weight():
+    """gpt-oss-20b's gate_up projection at a 64-token decode step (256 routed rows, 32 experts,
+    H 2880, 2I 5760, held as mxfp4_weights returns them): one kernel within v6e's VMEM whose weight
+    and scale operands are the packed uint8 arrays in HBM, and no XLA op copies either."""
+    hidden, up = 2880, 5760
+    weights, scales = (32, hidden // 2, up), (32, ops.mxfp4_scale_rows(hidden), up)
+    specs = [((256, hidden), jnp.bfloat16), (weights, jnp.uint8), ((32,), jnp.int32), (scales, jnp.uint8)]
+
+    def forward(lhs, rhs, sizes, scale):
+        return ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, generation="v6e", interpret=False)
+
+    report = tpu_compile.compile_for(forward, specs, "v6e", "ragged_dot_tpu")
+    assert len(report.kernels) == 1, report.kernels
+    assert all(0 < k.vmem_bytes <= GENERATIONS["v6e"].vmem_bytes for k in report.kernels.values())
+    operands = [s for kernel in report.kernels.values() if kernel.schedule for s in kernel.schedule.operand_shapes]
+    packed = [f"u8[{','.join(map(str, shape))}]" for shape in (weights, scales)]
+    assert all(p in operands for p in packed), operands
+    copies = [op for op in report.other_ops.values() if any(p in s for p in packed for s in op.operand_shapes)]
+    assert not copies, copies
