@@ -24,7 +24,7 @@ VS_ANCHOR_RANGE = (0.5, 2.0)
 # Ours over the roofline is at least 1 by definition: one hue, saturating at 4x.
 VS_ROOFLINE_RANGE = (1.0, 4.0)
 # Results a later change to the schedule model left stale until re-run: their charts say so.
-STALE = {("flash_attention", "tpu7x"): "STALE: modeled before the schedule model's tpu7x fix"}
+STALE = {}
 
 
 def _ordered(values) -> list:
