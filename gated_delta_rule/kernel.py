@@ -142,16 +142,18 @@ def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: i
     return o, state * jnp.exp(total) + dot(k_decayed, v_new, ((0,), (0,)))
 
 
-def _operands(q_ref, k_ref, v_ref, gb_ref, h):
-    """Head h's q, k, v in fp32 and its g and beta rows."""
+def _operands(q_ref, k_ref, v_ref, gb_ref, h, group: int):
+    """Value head h's q, k (its q/k head's: `group` value heads share one), v in fp32 and its g
+    and beta rows."""
     gb = gb_ref[h, 0]
-    return q_ref[h].astype(F32), k_ref[h].astype(F32), v_ref[h].astype(F32), gb[0:1], gb[1:2]
+    return (q_ref[h // group].astype(F32), k_ref[h // group].astype(F32), v_ref[h].astype(F32), gb[0:1],
+            gb[1:2])
 
 
 def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
                   q_ref, k_ref, v_ref, gb_ref, h0_ref,  # inputs
                   o_ref, ht_ref, *refs,  # outputs (and the states entering each chunk, if asked), scratch
-                  scale: float, l2norm: bool, chunk: int):
+                  scale: float, l2norm: bool, chunk: int, group: int):
     *states_ref, state_ref = refs
     c = pl.program_id(1)
     live = seq_ref[c] >= 0
@@ -175,9 +177,9 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
     def _():
         # The heads of a block are independent chains of small matmuls: unrolled, their MXU
         # latencies overlap.
-        for h in range(q_ref.shape[0]):
-            o, state_ref[h] = _chunk_math(*_operands(q_ref, k_ref, v_ref, gb_ref, h), state_ref[h], scale=scale,
-                                          l2norm=l2norm, chunk=chunk, split=split)
+        for h in range(v_ref.shape[0]):
+            o, state_ref[h] = _chunk_math(*_operands(q_ref, k_ref, v_ref, gb_ref, h, group), state_ref[h],
+                                          scale=scale, l2norm=l2norm, chunk=chunk, split=split)
             o_ref[h] = o.astype(o_ref.dtype)
 
     @pl.when(last_ref[c] == 1)
@@ -189,10 +191,11 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
                            q_ref, k_ref, v_ref, gb_ref, states_ref, do_ref, dht_ref,  # inputs
                            dq_ref, dk_ref, dv_ref, dgb_ref, dh0_ref,  # outputs
                            dstate_ref,  # scratch: the gradient of the state leaving the chunk
-                           *, scale: float, l2norm: bool, chunk: int):
+                           *, scale: float, l2norm: bool, chunk: int, group: int):
     """The chunks in reverse: each chunk's gradients from the gradient of its output rows and of
     the state leaving it (the final state's gradient at a sequence's last chunk), recomputing
-    the chunk from the state that entered it; the state's gradient carried to the chunk before."""
+    the chunk from the state that entered it; the state's gradient carried to the chunk before.
+    dq and dk are per value head (the caller sums a q/k head's group)."""
     c = pl.num_programs(1) - 1 - pl.program_id(1)
     live = seq_ref[c] >= 0
 
@@ -209,8 +212,8 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
     def _():
         math_of_chunk = functools.partial(_chunk_math, scale=scale, l2norm=l2norm, chunk=chunk,
                                           split=q_ref.dtype == jnp.bfloat16)
-        for h in range(q_ref.shape[0]):
-            _, pullback = jax.vjp(math_of_chunk, *_operands(q_ref, k_ref, v_ref, gb_ref, h), states_ref[h])
+        for h in range(v_ref.shape[0]):
+            _, pullback = jax.vjp(math_of_chunk, *_operands(q_ref, k_ref, v_ref, gb_ref, h, group), states_ref[h])
             dq, dk, dv, dg, dbeta, dstate_ref[h] = pullback((do_ref[h].astype(F32), dstate_ref[h]))
             dq_ref[h] = dq.astype(dq_ref.dtype)
             dk_ref[h] = dk.astype(dk_ref.dtype)
@@ -229,25 +232,31 @@ class _ChunkConfig(typing.NamedTuple):
     l2norm: bool
     chunk: int
     heads_per_step: int
+    group: int  # value heads per q/k head
     interpret: bool
 
 
-def _chunk_blocks(config: _ChunkConfig, q, v, reverse: bool):
-    """The (head block, chunk) grid and the blocks of a step: q's, k's and v's tokens, g and beta,
-    a sequence's state (chunks past the live ones stay on the last sequence's block: a block an
-    earlier step left is never revisited, where its output buffer would be written back again,
-    stale), and a chunk's state. The backward walks the chunks in reverse."""
-    heads, padded, dk = q.shape
-    dv = v.shape[-1]
+def _chunk_blocks(config: _ChunkConfig, v, dk: int, reverse: bool):
+    """The (head block, chunk) grid and the blocks of a step: q's and k's tokens (the q/k heads of
+    the step's value heads, each read once), v's tokens and, per value head, dq's and dk's (the
+    backward's), g and beta, a sequence's state (chunks past the live ones stay on the last
+    sequence's block: a block an earlier step left is never revisited, where its output buffer
+    would be written back again, stale), and a chunk's state. The backward walks the chunks in
+    reverse."""
+    heads, padded, dv = v.shape
     chunks = padded // config.chunk
-    hb, chunk = config.heads_per_step, config.chunk
+    hb, chunk, group = config.heads_per_step, config.chunk, config.group
+    assert hb % group == 0 or group % hb == 0, (hb, group)
+    shared = max(hb // group, 1)  # q/k heads a step reads
     at = (lambda c: chunks - 1 - c) if reverse else (lambda c: c)
     tokens = lambda h, c, *_: (h, at(c), 0)
+    shared_tokens = lambda h, c, *_: (h * hb // group // shared, at(c), 0)
     per_chunk = lambda h, c, *_: (h, at(c), 0, 0)
     per_seq = lambda h, c, seq, *_: (jnp.where(seq[at(c)] >= 0, seq[at(c)], config.num_seqs - 1), h, 0, 0)
-    return ((heads // hb, chunks), [pl.BlockSpec((hb, chunk, d), tokens) for d in (dk, dk, dv)],
-            pl.BlockSpec((hb, 1, 2, chunk), per_chunk), pl.BlockSpec((None, hb, dk, dv), per_seq),
-            pl.BlockSpec((hb, None, dk, dv), per_chunk))
+    qk = pl.BlockSpec((shared, chunk, dk), shared_tokens)
+    return ((heads // hb, chunks), [qk, qk, pl.BlockSpec((hb, chunk, dv), tokens)],
+            pl.BlockSpec((hb, chunk, dk), tokens), pl.BlockSpec((hb, 1, 2, chunk), per_chunk),
+            pl.BlockSpec((None, hb, dk, dv), per_seq), pl.BlockSpec((hb, None, dk, dv), per_chunk))
 
 
 def _pallas_call(kernel, config: _ChunkConfig, grid, in_specs, out_specs, out_shape, name: str):
@@ -256,14 +265,15 @@ def _pallas_call(kernel, config: _ChunkConfig, grid, in_specs, out_specs, out_sh
     heads_per_step, dk, dv = in_specs[-1].block_shape[1:]
     grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs, out_specs=out_specs,
                                              scratch_shapes=[pltpu.VMEM((heads_per_step, dk, dv), F32)])
-    kernel = functools.partial(kernel, scale=config.scale, l2norm=config.l2norm, chunk=config.chunk)
+    kernel = functools.partial(kernel, scale=config.scale, l2norm=config.l2norm, chunk=config.chunk,
+                               group=config.group)
     return pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, name=name, interpret=config.interpret,
                           compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
 
 
 def _chunk_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, h0, *, with_states: bool):
-    grid, qkv, gb_block, seq_state, chunk_state = _chunk_blocks(config, q, v, reverse=False)
-    heads, chunks, dk, dv = q.shape[0], grid[1], q.shape[2], v.shape[2]
+    grid, qkv, _, gb_block, seq_state, chunk_state = _chunk_blocks(config, v, q.shape[2], reverse=False)
+    heads, chunks, dk, dv = v.shape[0], grid[1], q.shape[2], v.shape[2]
     out_specs = [qkv[2], seq_state] + [chunk_state] * with_states
     out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct((config.num_seqs, heads, dk, dv), F32),
                  jax.ShapeDtypeStruct((heads, chunks, dk, dv), F32)][:len(out_specs)]
@@ -272,10 +282,12 @@ def _chunk_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, h0, *, with
 
 
 def _chunk_backward_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, states, do, dht):
-    grid, qkv, gb_block, seq_state, chunk_state = _chunk_blocks(config, q, v, reverse=True)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, gb, dht)]
+    """Gradients per value head: dq and dk [Hv, P, dk] (a q/k head's group not yet summed)."""
+    grid, qkv, per_value_head, gb_block, seq_state, chunk_state = _chunk_blocks(config, v, q.shape[2], reverse=True)
+    per_head = jax.ShapeDtypeStruct((v.shape[0], *q.shape[1:]), q.dtype)
+    out_shape = [per_head, per_head, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (v, gb, dht))]
     return _pallas_call(_chunk_backward_kernel, config, grid, [*qkv, gb_block, chunk_state, qkv[2], seq_state],
-                        [*qkv, gb_block, seq_state], out_shape,
+                        [per_value_head, per_value_head, qkv[2], gb_block, seq_state], out_shape,
                         "gated_delta_rule_chunk_backward")(seq, first, last, q, k, v, gb, states, do, dht)
 
 
@@ -295,6 +307,9 @@ def _chunk_rule_backward(config, residuals, cotangents):
     do, dht = cotangents
     _, _, states = _chunk_call(config, seq, first, last, q, k, v, gb, h0, with_states=True)
     dq, dk, dv, dgb, dh0 = _chunk_backward_call(config, seq, first, last, q, k, v, gb, states, do, dht)
+    # A q/k head's gradient: the sum over the value heads sharing it (in fp32).
+    dq, dk = (d.astype(F32).reshape(q.shape[0], config.group, *q.shape[1:]).sum(axis=1).astype(q.dtype)
+              for d in (dq, dk))
     # A sequence with no chunk is never visited: its block holds nothing (ops.py passes its state
     # through, and the gradient with it).
     visited = jnp.any(seq[None, :] == jnp.arange(config.num_seqs, dtype=seq.dtype)[:, None], axis=1)
@@ -308,14 +323,15 @@ _chunk_rule.defvjp(_chunk_rule_forward, _chunk_rule_backward)
 @functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "chunk", "heads_per_step", "interpret"))
 def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool,
                   chunk: int, heads_per_step: int, interpret: bool):
-    """q, k [H, P, dk], v [H, P, dv] in chunk layout (P = chunks * chunk tokens), gb [H, chunks,
+    """q, k [Hk, P, dk], v [H, P, dv] in chunk layout (P = chunks * chunk tokens; value head h takes
+    q/k head h // (H / Hk), as the models' repeat_interleave lays them out), gb [H, chunks,
     2, chunk] fp32 (g, then beta: one block whose two rows fill its tile's lanes), h0 [num_seqs,
     H, dk, dv] fp32; seq, first, last int32 [chunks]. A grid step takes `heads_per_step` heads
     (a divisor of H) of one chunk. Returns o [H, P, dv] (q's dtype) and the final states
     [num_seqs, H, dk, dv] (fp32); a sequence with no chunk keeps whatever its final state block
     held (ops.py substitutes h0). Differentiable in q, k, v, gb and h0: the backward is a second
     kernel walking the chunks in reverse."""
-    config = _ChunkConfig(num_seqs, scale, l2norm, chunk, heads_per_step, interpret)
+    config = _ChunkConfig(num_seqs, scale, l2norm, chunk, heads_per_step, v.shape[0] // q.shape[0], interpret)
     return _chunk_rule(config, seq, first, last, q, k, v, gb, h0)
 
 
@@ -333,9 +349,10 @@ def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: p
     def _():
         state_ref[...] = h0_ref[...].astype(F32)
 
-    q = q_ref[...].astype(F32)  # [H, dk]
+    q = q_ref[...].astype(F32)  # [Hk, dk]: value head h takes q/k head h // group
     k = k_ref[...].astype(F32)
     v = v_ref[...].astype(F32)  # [H, dv]
+    group = v.shape[0] // q.shape[0]
     if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
@@ -344,14 +361,15 @@ def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: p
     decay = jnp.exp(gb[:, 0:1])
     # One token's products are matrix-vector: on the VPU, with q and k as columns (one transpose
     # for every head), rather than single-row passes through the MXU.
-    q_cols, k_cols = q.T, k.T  # [dk, H]
-    for h in range(q.shape[0]):
+    q_cols, k_cols = q.T, k.T  # [dk, Hk]
+    for h in range(v.shape[0]):
         state = state_ref[h] * decay[h:h + 1]
-        k_col = k_cols[:, h:h + 1]
+        shared = h // group
+        k_col = k_cols[:, shared:shared + 1]
         delta = (v[h:h + 1] - jnp.sum(state * k_col, axis=0, keepdims=True)) * gb[h:h + 1, 1:2]
         state = state + k_col * delta
         state_ref[h] = state
-        o_ref[h:h + 1] = jnp.sum(state * q_cols[:, h:h + 1], axis=0, keepdims=True).astype(o_ref.dtype)
+        o_ref[h:h + 1] = jnp.sum(state * q_cols[:, shared:shared + 1], axis=0, keepdims=True).astype(o_ref.dtype)
 
     @pl.when(last_ref[t] == 1)
     def _():
@@ -367,7 +385,8 @@ def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: p
 @functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "out_dtype", "interpret"))
 def recurrent_forward(seq, first, last, flags, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool,
                       out_dtype, interpret: bool):
-    """Token by token: q, k [T, H, dk], v [T, H, dv], gb [T, H, 2] fp32 (g, beta), h0 [num_seqs, H,
+    """Token by token: q, k [T, Hk, dk] (value head h takes q/k head h // (H / Hk)), v [T, H, dv],
+    gb [T, H, 2] fp32 (g, beta), h0 [num_seqs, H,
     dk, dv] fp32; seq, first, last int32 [T] (each token's sequence, -1 past the live ones, and
     whether it is the sequence's first or last); flags int32 [2] (the offsets valid; the last
     sequence empty). The grid walks the tokens in order, every head in one step: for a decode step
@@ -375,16 +394,16 @@ def recurrent_forward(seq, first, last, flags, q, k, v, gb, h0, *, num_seqs: int
     once. Returns o [T, H, dv] (out_dtype) and the final states (fp32) in h0's buffer: a sequence
     with no token keeps its h0 (with h0 donated, the states are updated in place; else XLA copies
     h0 first); with flags[0] 0 every state a token reaches is NaN."""
-    tokens, heads, dk = q.shape
-    dv = v.shape[-1]
+    tokens, shared_heads, dk = q.shape
+    heads, dv = v.shape[1:]
     per_token = lambda t, *_: (t, 0, 0)
     seq_block = lambda t, seq, *_: (jnp.where(seq[t] >= 0, seq[t], num_seqs - 1), 0, 0, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(tokens,),
         in_specs=[
-            pl.BlockSpec((None, heads, dk), per_token),
-            pl.BlockSpec((None, heads, dk), per_token),
+            pl.BlockSpec((None, shared_heads, dk), per_token),
+            pl.BlockSpec((None, shared_heads, dk), per_token),
             pl.BlockSpec((None, heads, dv), per_token),
             pl.BlockSpec((None, heads, 2), per_token),
             pl.BlockSpec((None, heads, dk, dv), seq_block),

@@ -108,8 +108,7 @@ def even_chunk_layout(batch: int, tokens: int, chunk: int):
 
 def _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret):
     """Both entry points' arguments, checked and defaulted: (sequences, cu_seqlens (each batch row
-    a sequence by default), scale, interpret, the initial states in fp32 (zeros by default),
-    q and k repeated to v's heads)."""
+    a sequence by default), scale, interpret, the initial states in fp32 (zeros by default))."""
     seqs = check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     batch, tokens, hk, dk = q.shape
     hv, dv = v.shape[2:]
@@ -119,10 +118,8 @@ def _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret):
         check_cu_seqlens(cu_seqlens, tokens)
     h0 = (jnp.zeros((seqs, hv, dk, dv), jnp.float32) if initial_state is None
           else jnp.asarray(initial_state, jnp.float32))
-    repeat = hv // hk
-    q, k = (jnp.repeat(x, repeat, axis=2) if repeat > 1 else jnp.asarray(x) for x in (q, k))
     return (seqs, jnp.asarray(cu_seqlens), dk ** -0.5 if scale is None else float(scale),
-            default_interpret() if interpret is None else interpret, h0, q, k)
+            default_interpret() if interpret is None else interpret, h0)
 
 
 def _valid(cu, tokens: int):
@@ -147,7 +144,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            heads_per_step: int | None = None, interpret=None):
     out_dtype = q.dtype
     packed = cu_seqlens is not None
-    seqs, cu, scale, interpret, h0, q, k = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
+    seqs, cu, scale, interpret, h0 = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
     total = batch * tokens
     if packed:  # each sequence's tokens gathered into its chunks
@@ -195,7 +192,7 @@ def token_layout(cu_seqlens, tokens: int, seqs: int):
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                      cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, interpret=None):
     out_dtype = q.dtype
-    seqs, cu, scale, interpret, h0, q, k = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
+    seqs, cu, scale, interpret, h0 = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
     total = batch * tokens
     seq, first, last, live = token_layout(cu, total, seqs)

@@ -159,11 +159,11 @@ def _reference_gradients(q, k, v, g, beta, state, do, dht, l2norm=True):
     return [x.grad.numpy() for x in t]
 
 
-def _gradients(q, k, v, g, beta, state, do, dht, l2norm=True, cu_seqlens=None, interpret=True):
+def _gradients(q, k, v, g, beta, state, do, dht, l2norm=True, cu_seqlens=None, interpret=True, heads_per_step=None):
     def loss(q, k, v, g, beta, state):
         o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                              cu_seqlens=cu_seqlens,
-                                              use_qk_l2norm_in_kernel=l2norm, interpret=interpret)
+                                              cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=l2norm,
+                                              heads_per_step=heads_per_step, interpret=interpret)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dht)
     return jax.grad(loss, argnums=range(6))(*(jnp.asarray(x) for x in (q, k, v, g, beta, state)))
 
@@ -190,6 +190,23 @@ def test_gradients_match_the_reference_in_fp32(case):
     want = _reference_gradients(*inputs, do, dht, l2norm=l2norm)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
         assert a.dtype == jnp.float32 and _error(a, b) <= GRAD_TOLERANCE, (name, _error(a, b))
+
+
+@pytest.mark.parametrize("hk,hv,heads_per_step", [(2, 8, 2), (4, 8, 4)], ids=["group_of_4_over_steps", "two_shared_per_step"])
+def test_value_heads_read_their_shared_q_and_k_head(hk, hv, heads_per_step):
+    """Value head h reads q/k head h // (Hv / Hk) without a repeated copy: a step's heads sharing one
+    q/k head, or each step reading several; output, states and every gradient (dq and dk summed
+    over a q/k head's value heads) against the references, several head blocks per call."""
+    inputs = _inputs(1, 70, hk, hv, 32, 16, seed=13)
+    o, final = ops.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True,
+                                          heads_per_step=heads_per_step, interpret=True)
+    want_o, want_state = _torch(torch_chunk_gated_delta_rule, *inputs, l2norm=False)
+    assert _error(o, want_o) <= FP32_TOLERANCE and _error(final, want_state) <= FP32_TOLERANCE
+    do, dht = _cotangents(inputs, seed=14)
+    got = _gradients(*inputs, do, dht, l2norm=False, heads_per_step=heads_per_step)
+    want = _reference_gradients(*inputs, do, dht, l2norm=False)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        assert _error(a, b) <= GRAD_TOLERANCE, (name, _error(a, b))
 
 
 def test_gradients_of_packed_sequences_and_bf16():
