@@ -174,9 +174,30 @@ def _kernel(
             total = part if total is None else total + part
         return total
 
+    def mxfp4_transposed_product(last: bool):
+        """lhs's gradient through MXFP4 weights [pairs, N] (contracting N, their minor dim): the
+        low nibbles' plane gives the even output columns, the high the odd; a block's output holds
+        its even columns then its odd ones (the caller interleaves them)."""
+        lhs = lhs_ref[...]
+        valid = k_size % block_k if last and k_size % block_k else block_k  # the last N block's overhang
+        if valid < block_k:
+            lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
+        scales = mx_scale_ref[...].astype(jnp.int32)
+        rows, half = rhs_ref.shape[0], MX_BLOCK // 2
+        even, odd = [], []
+        for start in range(0, rows, MXFP4_CHUNK):
+            end = min(start + MXFP4_CHUNK, rows)
+            planes = mxfp4_planes(rhs_ref[start:end, :], scales[start // half:-(-end // half)], lhs_ref.dtype)
+            for out, plane in zip((even, odd), planes):
+                if valid < block_k:
+                    plane = jnp.where(jax.lax.broadcasted_iota(jnp.int32, plane.shape, 1) < valid, plane, 0)
+                out.append(jax.lax.dot_general(lhs, plane, (((1,), (1,)), ((), ())),
+                                               preferred_element_type=jnp.float32, precision=precision))
+        return jnp.concatenate(even + odd, axis=1)
+
     def product(last: bool):
         if mxfp4:
-            return mxfp4_product(last)
+            return mxfp4_transposed_product(last) if transpose_rhs else mxfp4_product(last)
         lhs, rhs = lhs_ref[...], rhs_ref[...]
         if rhs.dtype.itemsize == 1:  # quantized weights (int8, fp8) widen to lhs's dtype in VMEM, exactly;
             rhs = rhs.astype(lhs.dtype)  # their scale multiplies the fp32 product at the store, or (lhs's
@@ -275,8 +296,10 @@ def grouped_matmul(
     None: rhs times its SCALE_BLOCK x SCALE_BLOCK block's scale is the weight
     (block_k a multiple of SCALE_BLOCK, or all of K).
     rhs_mx_scale: uint8 [G, K / MX_BLOCK, N] or None: rhs is MXFP4, uint8 [G, K / 2, N] with two fp4
-    e2m1 codes per byte (see `mxfp4_planes`), and these its e8m0 scales (not with transpose_rhs;
-    block_k all of K or a multiple of 1024, so the scales' blocks are whole uint8 tiles).
+    e2m1 codes per byte (see `mxfp4_planes`), and these its e8m0 scales; block_k all of K or a
+    multiple of 1024, so the scales' blocks are whole uint8 tiles. With transpose_rhs (lhs's
+    gradient, lhs [M, N]) the output is [M, K], its columns in pairs: block_n counts pairs, all of
+    them or a multiple of 512.
     fill_nan: a bool scalar on the device, or None (False): the rows past the
     groups are NaN instead of zero (how callers report invalid group sizes
     without a pass over any array: they pass all sizes zero).
@@ -290,7 +313,9 @@ def grouped_matmul(
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
     assert m % bm == 0, (lhs.shape, blocks)
     mxfp4 = rhs_mx_scale is not None
-    assert not mxfp4 or (not transpose_rhs and k % MX_BLOCK == 0 and (bk >= k or bk % 1024 == 0)), (rhs.shape, blocks)
+    assert not mxfp4 or (bn >= n or bn % 512 == 0 if transpose_rhs else k % MX_BLOCK == 0 and (bk >= k or bk % 1024 == 0)), \
+        (rhs.shape, blocks)
+    out_cols = 2 * bn if mxfp4 and transpose_rhs else bn  # lhs's gradient: a block's even columns, then its odd
     k_steps = pl.cdiv(k, bk)
     fill_flag = jnp.zeros((1,), jnp.int32) if fill_nan is None else jnp.asarray(fill_nan, jnp.int32).reshape(1)
     visits = make_visits(group_sizes, m, bm)
@@ -322,7 +347,7 @@ def grouped_matmul(
     rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
     in_specs = [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
     operands = [lhs, rhs]
-    if mxfp4:  # K in pairs: a K block is bk / 2 bytes of rhs and bk / 2 of each of lhs's halves
+    if mxfp4 and not transpose_rhs:  # K in pairs: a K block is bk / 2 bytes of rhs and bk / 2 of each of lhs's halves
         bk = min(bk, k)
         in_specs = [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, bk // 2, bn), rhs_map)]
         operands = [lhs[:, 0::2], rhs]
@@ -334,7 +359,11 @@ def grouped_matmul(
         assert bk % SCALE_BLOCK == 0 or k_steps == 1, blocks
         in_specs.append(pl.BlockSpec((None, *rhs_block_scale.shape[1:]), per_group_map))
         operands.append(rhs_block_scale)
-    if mxfp4:
+    if mxfp4 and transpose_rhs:  # lhs's gradient: a block of pairs takes a sixteenth as many scale rows
+        scale_rows = rhs_mx_scale.shape[1] if bn >= n else bn // (MX_BLOCK // 2)
+        in_specs += [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec((None, scale_rows, bk), rhs_map)]
+        operands += [lhs, rhs_mx_scale]
+    elif mxfp4:
         scale_rows = rhs_mx_scale.shape[1] if bk >= k else bk // MX_BLOCK  # one K step: all (padded) rows
         in_specs += [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, scale_rows, bn), rhs_map)]
         operands += [lhs[:, 1::2], rhs_mx_scale]
@@ -346,19 +375,20 @@ def grouped_matmul(
         bytes_accessed=m * k * lhs.dtype.itemsize + rhs.size * rhs.dtype.itemsize
         + m * n * jnp.dtype(out_dtype).itemsize,
     )
-    return pl.pallas_call(
+    n_blocks = pl.cdiv(n, bn)
+    out = pl.pallas_call(
         functools.partial(
             _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k,
             has_bias=bias is not None, has_scale=rhs_scale is not None, has_block_scale=rhs_block_scale is not None,
             mxfp4=mxfp4,
         ),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n if out_cols == bn else n_blocks * out_cols), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
-            grid=(pl.cdiv(n, bn), visits[-1][0], k_steps),
+            grid=(n_blocks, visits[-1][0], k_steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((bm, bn), out_map),
-            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)] if k_steps > 1 else [],
+            out_specs=pl.BlockSpec((bm, out_cols), out_map),
+            scratch_shapes=[pltpu.VMEM((bm, out_cols), jnp.float32)] if k_steps > 1 else [],
         ),
         compiler_params=pltpu.CompilerParams(
             # n tiles are independent (v5p splits them over its two cores);
@@ -370,6 +400,11 @@ def grouped_matmul(
         interpret=interpret,
         name="ragged_dot_tpu",
     )(*prefetch, *operands)
+    if out_cols == bn:
+        return out
+    # lhs's gradient through MXFP4 weights: each block's even columns then odd ones, interleaved
+    out = out.reshape(m, n_blocks, 2, bn).swapaxes(2, 3).reshape(m, n_blocks * bn * 2)
+    return out[:, :2 * n]
 
 
 def vmem_bytes(blocks: BlockSizes, itemsize: int, out_dtype) -> int:

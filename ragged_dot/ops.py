@@ -32,14 +32,21 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if m == 0:
-        return jnp.zeros((0, n), lhs.dtype)
-    itemsize = jnp.dtype(lhs.dtype).itemsize
     mxfp4 = rhs.dtype == jnp.uint8
+    if m == 0:
+        return jnp.zeros((0, 2 * n if mxfp4 and transpose_rhs else n), lhs.dtype)
+    itemsize = jnp.dtype(lhs.dtype).itemsize
     blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs,
                                      weight_itemsize=rhs.dtype.itemsize)
     buffers = forward_buffers(blocks, itemsize)
-    if mxfp4:
+    if mxfp4 and transpose_rhs:
+        # lhs's gradient: N contracted, output columns in pairs of K (n counts pairs); pairs whole up
+        # to half MXFP4_MAX_BLOCK_K, else steps of it (its scales' block whole uint8 tiles)
+        half = MXFP4_MAX_BLOCK_K // 2
+        blocks = dataclasses.replace(blocks, block_n=n if n <= half else half)
+        buffers = forward_buffers(dataclasses.replace(blocks, block_n=2 * blocks.block_n), itemsize) \
+            + 8 * MXFP4_CHUNK * blocks.block_k * 4
+    elif mxfp4:
         # K whole up to MXFP4_MAX_BLOCK_K (its scales' block is then all of K / 32), else steps of it;
         # the buffers as for weights of lhs's dtype, plus one chunk's decoding temporaries.
         blocks = dataclasses.replace(blocks, block_k=k if k <= MXFP4_MAX_BLOCK_K else MXFP4_MAX_BLOCK_K)
@@ -85,8 +92,11 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, blocks, residuals, gra
         grad_bias = jax.ops.segment_sum(grad_out.astype(jnp.float32), segment, num_segments=bias.shape[0] + 1)
         grad_bias = grad_bias[:-1].astype(bias.dtype)
     if rhs.dtype == jnp.uint8:
-        raise NotImplementedError("lhs's gradient through MXFP4 weights is not implemented yet; int8 and "
-                                  "float8_e4m3fn weights have it")
+        # MXFP4: d lhs = grad_out @ (the decoded weights)^T, the kernel contracting the weights' minor
+        # dim; frozen weights, no gradient for them or their exponents.
+        grad_lhs = _forward(grad_out.astype(lhs.dtype), rhs, group_sizes, not transpose_rhs, generation, interpret,
+                            rhs_scale=rhs_scale)
+        return grad_lhs, None, None, grad_bias, None, None
     if rhs_scale is not None and rhs_scale.ndim == 3:
         # Per block: d lhs = grad_out @ (rhs * scales)^T, the same kernel with the layout and the
         # scales' [N blocks, K blocks] flipped. A quantized, frozen weight gets no gradient.
@@ -245,7 +255,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
         The kernel reads rhs as stored (a byte per weight) and scales the fp32 products; lhs's
         gradient flows, rhs gets none (a frozen quantized weight). MXFP4: uint8 (or
         float8_e8m0fnu) e8m0 exponents [G, K / 32, N], one per 32 weights along K; the kernel
-        reads half a byte per weight and decodes them in VMEM (no gradient yet).
+        reads half a byte per weight and decodes them in VMEM; lhs's gradient flows, the weights get none.
       generation: TPU generation whose block table to use ("v5e", "v5p",
         "v6e", "tpu7x"); default: the current device's.
       interpret: False compiles for the TPU; True or a

@@ -1,8 +1,9 @@
 """ragged_dot and experts_forward with MXFP4 weights (gpt-oss's experts: two fp4 e2m1 codes per
 byte along K, an e8m0 exponent per 32 weights): the kernel reads half a byte per weight and decodes
 in VMEM. Against transformers' own dequantization (`convert_moe_packed_tensors`, what its Mxfp4
-loader computes off CUDA) in interpret mode and the TPU interpreter; bad input named; a decode-sized
-call compiled for v6e reading the packed bytes with no copy before the kernel."""
+loader computes off CUDA) in interpret mode and the TPU interpreter, lhs's gradient too; bad input
+named; a decode-sized call and its gradient compiled for v6e reading the packed bytes with no copy
+before the kernel."""
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,9 @@ from jax.experimental.pallas import tpu as pltpu
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import tpu_compile
+from sampling import sample
 from ragged_dot import ops
-from ragged_dot.kernel import BlockSizes, mxfp4_planes
+from ragged_dot.kernel import BlockSizes, grouped_matmul, mxfp4_planes
 from runtime.generations import GENERATIONS
 
 # K = 2112: 66 scales per column (padded to 96 rows as mxfp4_weights holds them); with blocks of
@@ -131,17 +133,48 @@ def test_bad_input_is_named_before_any_kernel(change, match):
         ops.ragged_dot(**args)
 
 
-def test_the_gradient_says_it_is_not_there_yet():
-    rhs, scales = ops.mxfp4_weights(*(jnp.asarray(a) for a in _stored(groups=1, k=64, n=128)))
-    lhs, sizes = jnp.ones((16, 64), jnp.float32), jnp.asarray([16], jnp.int32)
-    with pytest.raises(NotImplementedError, match="MXFP4"):
-        jax.grad(lambda x: jnp.sum(ops.ragged_dot(x, rhs, sizes, rhs_scale=scales)))(lhs)
+def test_lhs_gradient_and_none_for_the_frozen_weights():
+    """d lhs = d out @ (the decoded weights)^T: the kernel contracting the weights' minor dim, the
+    low nibbles giving the even columns and the high the odd; the weights and their exponents get
+    none."""
+    stored_blocks, stored_scales = _stored(seed=7)
+    rhs, scales = ops.mxfp4_weights(jnp.asarray(stored_blocks), jnp.asarray(stored_scales))
+    weight, sizes = _dequantized(stored_blocks, stored_scales), jnp.asarray(SIZES, jnp.int32)
+    lhs = jnp.asarray(np.random.default_rng(8).standard_normal((M, K)), jnp.float32)
+    cotangent = jnp.asarray(np.random.default_rng(9).standard_normal((M, N)), jnp.float32)
+    got = jax.grad(lambda x: jnp.sum(ops.ragged_dot(x, rhs, sizes, rhs_scale=scales) * cotangent))(lhs)
+    want = jax.grad(lambda x: jnp.sum(_reference(x, weight, sizes) * cotangent))(lhs)
+    assert jnp.max(jnp.abs(got - want)) <= TOLERANCE[jnp.float32] * jnp.max(jnp.abs(want))
+    assert not np.any(np.asarray(got[sum(SIZES):]))
 
 
-def test_decode_compiles_for_v6e_reading_half_a_byte_per_weight():
+@pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")],
+                         ids=["interpret", "tpu_interpreter"])
+def test_lhs_gradient_kernel_over_pair_blocks_and_n_steps(interpret):
+    """The gradient's kernel with blocks smaller than the weights: 3 blocks of 512 pairs (the last
+    partial: its even and odd columns interleaved back and the overhang dropped) and 3 steps of 128
+    along N (the last partial)."""
+    stored_blocks, stored_scales = _stored(seed=10)
+    rhs, scales = ops.mxfp4_weights(jnp.asarray(stored_blocks), jnp.asarray(stored_scales))
+    weight = _dequantized(stored_blocks, stored_scales)
+    rows = 48  # the kernel takes whole row tiles (ops pads M)
+    grad_out = jnp.asarray(np.random.default_rng(11).standard_normal((rows, N)), jnp.float32)
+    got = grouped_matmul(grad_out, rhs, jnp.asarray(SIZES, jnp.int32), blocks=BlockSizes(16, 128, 512),
+                         transpose_rhs=True, out_dtype=jnp.float32, vmem_limit=32 << 20, interpret=interpret,
+                         rhs_mx_scale=scales)
+    want = jax.lax.ragged_dot(grad_out, jnp.swapaxes(weight, 1, 2), jnp.asarray(SIZES, jnp.int32),
+                              precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (rows, K)
+    assert jnp.max(jnp.abs(got - want)) <= TOLERANCE[jnp.float32] * jnp.max(jnp.abs(want))
+
+
+@pytest.mark.parametrize("pass_", sample(["forward", "lhs_gradient"], {"forward"}))
+def test_decode_compiles_for_v6e_reading_half_a_byte_per_weight(pass_):
     """gpt-oss-20b's gate_up projection at a 64-token decode step (256 routed rows, 32 experts,
-    H 2880, 2I 5760, held as mxfp4_weights returns them): one kernel within v6e's VMEM whose weight
-    and scale operands are the packed uint8 arrays in HBM, and no XLA op copies either."""
+    H 2880, 2I 5760, held as mxfp4_weights returns them), forward and lhs's gradient: one kernel
+    within v6e's VMEM whose weight and scale operands are the packed uint8 arrays in HBM, and no XLA
+    op copies either. (make test compiles the forward; the gradient's kernel runs in the tests
+    above.)"""
     hidden, up = 2880, 5760
     weights, scales = (32, hidden // 2, up), (32, ops.mxfp4_scale_rows(hidden), up)
     specs = [((256, hidden), jnp.bfloat16), (weights, jnp.uint8), ((32,), jnp.int32), (scales, jnp.uint8)]
@@ -149,7 +182,12 @@ def test_decode_compiles_for_v6e_reading_half_a_byte_per_weight():
     def forward(lhs, rhs, sizes, scale):
         return ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, generation="v6e", interpret=False)
 
-    report = tpu_compile.compile_for(forward, specs, "v6e", "ragged_dot_tpu")
+    def lhs_gradient(lhs, rhs, sizes, scale, cotangent):
+        return jax.vjp(lambda x: forward(x, rhs, sizes, scale), lhs)[1](cotangent)[0]
+
+    fn = forward if pass_ == "forward" else lhs_gradient
+    specs += [((256, up), jnp.bfloat16)] if pass_ == "lhs_gradient" else []
+    report = tpu_compile.compile_for(fn, specs, "v6e", "ragged_dot_tpu")
     assert len(report.kernels) == 1, report.kernels
     assert all(0 < k.vmem_bytes <= GENERATIONS["v6e"].vmem_bytes for k in report.kernels.values())
     operands = [s for kernel in report.kernels.values() if kernel.schedule for s in kernel.schedule.operand_shapes]
