@@ -327,7 +327,8 @@ def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: fl
     q/k head h // (H / Hk), as the models' repeat_interleave lays them out), gb [H, chunks,
     2, chunk] fp32 (g, then beta: one block whose two rows fill its tile's lanes), h0 [num_seqs,
     H, dk, dv] fp32; seq, first, last int32 [chunks]. A grid step takes `heads_per_step` heads
-    (a divisor of H) of one chunk. Returns o [H, P, dv] (q's dtype) and the final states
+    (a divisor of H that H / Hk divides or that divides H / Hk) of one chunk. Returns o [H, P, dv]
+    (q's dtype) and the final states
     [num_seqs, H, dk, dv] (fp32); a sequence with no chunk keeps whatever its final state block
     held (ops.py substitutes h0). Differentiable in q, k, v, gb and h0: the backward is a second
     kernel walking the chunks in reverse."""

@@ -173,8 +173,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     gb = chunked(gb).reshape(hv, seq.shape[0], chunk_size, 2).swapaxes(2, 3)
     o, final = chunk_forward(seq, first, last, chunked(q), chunked(k), chunked(v), gb, h0, num_seqs=seqs, scale=scale,
                              l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size,
-                             heads_per_step=heads_per_step or math.gcd(hv, HEADS_PER_STEP), interpret=interpret)
+                             heads_per_step=_heads_per_step(heads_per_step, hv, hv // q.shape[2]), interpret=interpret)
     return _outputs(unchunked(o), final, h0, cu, total, output_final_state)
+
+
+def _heads_per_step(asked: int | None, heads: int, group: int) -> int:
+    """Value heads a chunked grid step takes: a divisor of the heads that a q/k head's group of
+    value heads divides or that divides it (a step reads whole q/k heads); by default up to
+    HEADS_PER_STEP."""
+    fits = lambda hb: heads % hb == 0 and (hb % group == 0 or group % hb == 0)
+    if asked is None:
+        return next(hb for hb in (math.gcd(heads, HEADS_PER_STEP), math.gcd(group, HEADS_PER_STEP)) if fits(hb))
+    if asked < 1 or not fits(asked):
+        raise ValueError(f"heads_per_step={asked}: a divisor of the {heads} value heads that their q/k heads' "
+                         f"groups of {group} divide or that divides {group}")
+    return asked
 
 
 def token_layout(cu_seqlens, tokens: int, seqs: int):

@@ -32,22 +32,25 @@ from jax.experimental.pallas import tpu as pltpu
 SCALE_BLOCK = 128  # block-scaled weights (FineGrainedFP8's weight_scale_inv): a scale per 128 x 128 block
 MX_BLOCK = 32  # MXFP4 (OCP microscaling, gpt-oss's experts): a power-of-two scale per 32 weights along K
 MXFP4_CHUNK = 256  # byte rows (512 of K) the kernel decodes and multiplies at a time
+MXFP4_PLANE_SCALE = 64.0  # mxfp4_planes' values are the weights' 2^-6: the products multiply by 2^6
 
 
 def mxfp4_planes(packed, scales, dtype):
     """MXFP4 weights as two planes in `dtype`: packed uint8 [R, C] holds two fp4 e2m1 codes per byte,
     the low nibble K row 2r and the high nibble row 2r + 1; scales int32 [cdiv(R, 16), C] are e8m0
-    exponents, one per 32 K rows (16 bytes). Returns (lo, hi) [R, C]: code value x 2^(scale - 127),
-    exact in bf16 (two significant bits times a power of two) for scales up to 248.
+    exponents, one per 32 K rows (16 bytes). Returns (lo, hi) [R, C]: code value x 2^(scale - 127)
+    x 2^-6 (MXFP4_PLANE_SCALE: the caller multiplies its products back), exact in bf16 (two
+    significant bits times a power of two) for scales 8 to 254; below, values under float32's normal
+    range flush to zero as on a TPU; 255 (e8m0's NaN) gives inf or NaN.
 
     Each code becomes an fp8 e4m3 byte by moving its bits (sign; exponent e1 e0 under two zero bits;
     mantissa m over two zero bits): the same value times 2^-6, e2m1's subnormal (0.5) landing on
     e4m3's. The bit moves run on the bytes as loaded (four to a 32-bit lane), the widening is the
-    one fp8 weights take, and 2^6 joins the scale's power."""
+    one fp8 weights take; the scale's power is a float32 built from its bits."""
     rows, cols = packed.shape
     lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
     hi = (packed & 0x80) | ((packed & 0x70) >> 2)
-    factor = jax.lax.bitcast_convert_type((scales + 6) << 23, jnp.float32)  # 2^(scale - 127 + 6)
+    factor = jax.lax.bitcast_convert_type(scales << 23, jnp.float32)  # 2^(scale - 127); 255: inf
     half = MX_BLOCK // 2
     factor = jnp.broadcast_to(factor[:, None, :], (factor.shape[0], half, cols)).reshape(-1, cols)[:rows]
     factor = factor.astype(dtype)
@@ -142,8 +145,10 @@ def _kernel(
     bias_ref = refs.pop(0) if has_bias else None
     scale_ref = refs.pop(0) if has_scale else None
     block_scale_ref = refs.pop(0) if has_block_scale else None
-    # MXFP4: lhs_ref holds lhs's even columns, lhs_odd_ref its odd ones (the low and high nibbles' K rows)
-    lhs_odd_ref, mx_scale_ref = (refs.pop(0), refs.pop(0)) if mxfp4 else (None, None)
+    # MXFP4: lhs_ref holds lhs's even columns, lhs_odd_ref its odd ones (the low and high nibbles' K rows);
+    # lhs's gradient (transpose_rhs) reads lhs whole
+    lhs_odd_ref = refs.pop(0) if mxfp4 and not transpose_rhs else None
+    mx_scale_ref = refs.pop(0) if mxfp4 else None
     out_ref, acc_ref = refs[0], (refs[1] if len(refs) > 1 else None)
     nn, v, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_steps = pl.num_programs(2)
@@ -172,7 +177,7 @@ def _kernel(
             dot = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
             part = dot(a, lo) + dot(b, hi)
             total = part if total is None else total + part
-        return total
+        return total * MXFP4_PLANE_SCALE
 
     def mxfp4_transposed_product(last: bool):
         """lhs's gradient through MXFP4 weights [pairs, N] (contracting N, their minor dim): the
@@ -193,7 +198,7 @@ def _kernel(
                     plane = jnp.where(jax.lax.broadcasted_iota(jnp.int32, plane.shape, 1) < valid, plane, 0)
                 out.append(jax.lax.dot_general(lhs, plane, (((1,), (1,)), ((), ())),
                                                preferred_element_type=jnp.float32, precision=precision))
-        return jnp.concatenate(even + odd, axis=1)
+        return jnp.concatenate(even + odd, axis=1) * MXFP4_PLANE_SCALE
 
     def product(last: bool):
         if mxfp4:
@@ -361,19 +366,21 @@ def grouped_matmul(
         operands.append(rhs_block_scale)
     if mxfp4 and transpose_rhs:  # lhs's gradient: a block of pairs takes a sixteenth as many scale rows
         scale_rows = rhs_mx_scale.shape[1] if bn >= n else bn // (MX_BLOCK // 2)
-        in_specs += [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec((None, scale_rows, bk), rhs_map)]
-        operands += [lhs, rhs_mx_scale]
+        in_specs.append(pl.BlockSpec((None, scale_rows, bk), rhs_map))
+        operands.append(rhs_mx_scale)
     elif mxfp4:
         scale_rows = rhs_mx_scale.shape[1] if bk >= k else bk // MX_BLOCK  # one K step: all (padded) rows
         in_specs += [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, scale_rows, bn), rhs_map)]
         operands += [lhs[:, 1::2], rhs_mx_scale]
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
-    flops = 2 * m * k * n  # upper bound: every row once
+    width = 2 * n if out_cols != bn else n  # output columns (lhs's gradient through MXFP4: two per pair)
+    flops = 2 * m * k * width  # upper bound: every row once
+    scale_bytes = 0 if rhs_mx_scale is None else rhs_mx_scale.size
     cost = pl.CostEstimate(
         flops=flops,
         transcendentals=0,
-        bytes_accessed=m * k * lhs.dtype.itemsize + rhs.size * rhs.dtype.itemsize
-        + m * n * jnp.dtype(out_dtype).itemsize,
+        bytes_accessed=m * k * lhs.dtype.itemsize + rhs.size * rhs.dtype.itemsize + scale_bytes
+        + m * width * jnp.dtype(out_dtype).itemsize,
     )
     n_blocks = pl.cdiv(n, bn)
     out = pl.pallas_call(

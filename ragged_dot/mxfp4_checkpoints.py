@@ -29,8 +29,8 @@ def mxfp4_checkpoint_config(pretrained_model_name_or_path, **kwargs):
 
     `kwargs` go to `AutoConfig.from_pretrained`. The model must be loaded with an
     `experts_implementation` registered in `ALL_EXPERTS_FUNCTIONS` to this kernel's
-    `experts_forward`; the load refuses any other, before reading a weight. The experts are frozen
-    (inference; no gradient through MXFP4 weights yet)."""
+    `experts_forward`; the load refuses any other, before reading a weight. The experts are frozen:
+    gradients flow through them to the rest of the model (adapters, attention)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **kwargs)
@@ -56,7 +56,8 @@ def kernel_layout(blocks, scales):
     experts, n, k_blocks, pairs = blocks.shape
     weights = blocks.reshape(experts, n, k_blocks * pairs).transpose(1, 2).contiguous()
     rows = ops.mxfp4_scale_rows(k_blocks * ops.MX_BLOCK)
-    exponents = torch.nn.functional.pad(scales.to(torch.uint8).transpose(1, 2), (0, 0, 0, rows - k_blocks))
+    bits = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales  # e8m0 as its bits
+    exponents = torch.nn.functional.pad(bits.transpose(1, 2), (0, 0, 0, rows - k_blocks))
     return weights, exponents.contiguous()
 
 
@@ -74,7 +75,7 @@ def _register_with_transformers():
     from transformers.quantizers.quantizers_utils import should_convert_module
     from transformers.utils.quantization_config import Mxfp4Config
 
-    from . import ops
+    from . import ops, torch_ops
 
     @register_quantization_config(QUANT_METHOD)
     class Mxfp4ExpertsTpuConfig(Mxfp4Config):
@@ -115,8 +116,7 @@ def _register_with_transformers():
 
         def _process_model_before_weight_loading(self, model, **kwargs):
             implementation = model.config._experts_implementation
-            if (implementation not in ALL_EXPERTS_FUNCTIONS
-                    or ALL_EXPERTS_FUNCTIONS[implementation].__module__.startswith("transformers.")):
+            if ALL_EXPERTS_FUNCTIONS.get(implementation) is not torch_ops.experts_forward:  # the codes, as held
                 raise ValueError(
                     f"experts_implementation={implementation!r}: MXFP4 experts on TPU need ragged-dot-tpu's "
                     "experts_forward, registered with ALL_EXPERTS_FUNCTIONS.register(name, "
@@ -146,4 +146,4 @@ def _register_with_transformers():
 
         @property
         def is_trainable(self) -> bool:
-            return False
+            return True  # the experts stay frozen; adapters and the other layers train

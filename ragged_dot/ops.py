@@ -36,6 +36,7 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     if m == 0:
         return jnp.zeros((0, 2 * n if mxfp4 and transpose_rhs else n), lhs.dtype)
     itemsize = jnp.dtype(lhs.dtype).itemsize
+    given = blocks is not None
     blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs,
                                      weight_itemsize=rhs.dtype.itemsize)
     buffers = forward_buffers(blocks, itemsize)
@@ -49,7 +50,11 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     elif mxfp4:
         # K whole up to MXFP4_MAX_BLOCK_K (its scales' block is then all of K / 32), else steps of it;
         # the buffers as for weights of lhs's dtype, plus one chunk's decoding temporaries.
-        blocks = dataclasses.replace(blocks, block_k=k if k <= MXFP4_MAX_BLOCK_K else MXFP4_MAX_BLOCK_K)
+        if not given:
+            blocks = dataclasses.replace(blocks, block_k=k if k <= MXFP4_MAX_BLOCK_K else MXFP4_MAX_BLOCK_K)
+        elif blocks.block_k < k and blocks.block_k % 1024:
+            raise ValueError(f"blocks.block_k is {blocks.block_k}: with MXFP4 weights all of K ({k}) or a "
+                             "multiple of 1024 (whole uint8 tiles of exponents)")
         buffers = forward_buffers(blocks, itemsize) + 8 * MXFP4_CHUNK * blocks.block_n * 4
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
@@ -72,7 +77,8 @@ def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs,
     """bias: [G, N] added to each group's rows inside the kernel, or None.
     fill_nan: a bool scalar, or None: rows past the groups are NaN, not zero.
     rhs_scale: float32 scales of a quantized rhs, or None: [G, N] per output channel, or
-      [G, cdiv(N, 128), cdiv(K, 128)] per 128 x 128 block (N-major whatever rhs's layout).
+      [G, cdiv(N, 128), cdiv(K, 128)] per 128 x 128 block (N-major whatever rhs's layout); or
+      uint8 e8m0 exponents [G, K / 32 (padded), N] of MXFP4 weights (uint8 [G, K / 2, N]).
     blocks: the forward kernel's BlockSizes, or None (the table's); the gradients take the table's."""
     return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale, blocks)
 
@@ -153,14 +159,15 @@ def weight_shape(shape, dtype, transpose_rhs=False) -> tuple[int, ...]:
     return (shape[0], shape[1], 2 * shape[2]) if transpose_rhs else (shape[0], 2 * shape[1], shape[2])
 
 
-def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs):
-    """Shape checks shared by the JAX and torch entry points (shapes only; rhs's logical
-    shape, `weight_shape`)."""
+def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, mxfp4=False):
+    """Shape checks shared by the JAX and torch entry points (shapes only; `mxfp4`: rhs holds two
+    weights per byte along K)."""
     m, k = _shape_of("lhs", lhs, 2)
     rhs = _shape_of("rhs", rhs, 3)
     (groups,) = _shape_of("group_sizes", group_sizes, 1)
-    if rhs[2 if transpose_rhs else 1] != k:
-        raise ValueError(f"rhs {rhs} (transpose_rhs={transpose_rhs}) does not contract with lhs {(m, k)}")
+    if rhs[2 if transpose_rhs else 1] * (2 if mxfp4 else 1) != k:
+        packing = ", MXFP4: two weights per byte along K" if mxfp4 else ""
+        raise ValueError(f"rhs {rhs} (transpose_rhs={transpose_rhs}{packing}) does not contract with lhs {(m, k)}")
     if groups != rhs[0]:
         raise ValueError(f"group_sizes has {groups} groups, rhs has {rhs[0]}")
 
@@ -269,8 +276,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
     past M) make the whole output NaN: checked on the device, with no
     round trip to the host, and no kernel reads outside its inputs.
     """
-    check_ragged_dot_shapes(lhs.shape, weight_shape(rhs.shape, rhs.dtype, transpose_rhs), group_sizes.shape,
-                            transpose_rhs)
+    check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs, mxfp4=rhs.dtype == jnp.uint8)
     check_rhs_scale(lhs.dtype, rhs, rhs_scale, transpose_rhs)
     generation, interpret = _resolve(generation, interpret)
     sizes, valid = walkable_group_sizes(group_sizes.astype(jnp.int32), lhs.shape[0])
@@ -357,7 +363,7 @@ def mxfp4_weights(blocks, scales):
     padded with zeros (never read). A one-time transform at load."""
     experts, n, k_blocks, pairs = blocks.shape
     weights = jnp.swapaxes(blocks.reshape(experts, n, k_blocks * pairs), 1, 2)
-    scales = jnp.swapaxes(scales.astype(jnp.uint8), 1, 2)
+    scales = jnp.swapaxes(n_major(scales, True), 1, 2)  # e8m0 as its bits (uint8)
     rows = mxfp4_scale_rows(k_blocks * MX_BLOCK)
     return weights, jnp.pad(scales, ((0, 0), (0, rows - k_blocks), (0, 0)))
 

@@ -258,6 +258,9 @@ def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8) ->
             continue  # not an experts module (a dense MLP's down_proj is a Linear)
         out_axis = 2 if getattr(module, "is_transposed", False) else 1
         for name in names:
+            if not getattr(module, name).is_floating_point():
+                raise ValueError(f"{type(module).__name__}.{name} is {getattr(module, name).dtype}: quantize_experts "
+                                 "quantizes floating-point experts (these are quantized already)")
             weight = getattr(module, name).float()
             # An all-zero channel keeps a normal scale (and quantizes to zeros).
             scale = (weight.abs().amax(dim=3 - out_axis) / _QUANTIZED_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)

@@ -192,7 +192,8 @@ def test_gradients_match_the_reference_in_fp32(case):
         assert a.dtype == jnp.float32 and _error(a, b) <= GRAD_TOLERANCE, (name, _error(a, b))
 
 
-@pytest.mark.parametrize("hk,hv,heads_per_step", [(2, 8, 2), (4, 8, 4)], ids=["group_of_4_over_steps", "two_shared_per_step"])
+@pytest.mark.parametrize("hk,hv,heads_per_step", [(2, 8, 2), (4, 8, 4), (2, 6, None)],
+                         ids=["group_of_4_over_steps", "two_shared_per_step", "group_of_3_by_default"])
 def test_value_heads_read_their_shared_q_and_k_head(hk, hv, heads_per_step):
     """Value head h reads q/k head h // (Hv / Hk) without a repeated copy: a step's heads sharing one
     q/k head, or each step reading several; output, states and every gradient (dq and dk summed
@@ -207,6 +208,13 @@ def test_value_heads_read_their_shared_q_and_k_head(hk, hv, heads_per_step):
     want = _reference_gradients(*inputs, do, dht, l2norm=False)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
         assert _error(a, b) <= GRAD_TOLERANCE, (name, _error(a, b))
+
+
+def test_heads_per_step_that_splits_a_q_k_heads_group_is_named():
+    inputs = _inputs(1, 20, 2, 6, 16, 8)
+    with pytest.raises(ValueError, match="heads_per_step=2: a divisor of the 6 value heads that their q/k heads' "
+                                         "groups of 3 divide or that divides 3"):
+        ops.chunk_gated_delta_rule(*inputs[:5], heads_per_step=2, interpret=True)
 
 
 def test_gradients_of_packed_sequences_and_bf16():

@@ -142,11 +142,15 @@ def test_gradients_flow_through_the_frozen_experts(kernel, tmp_path):
 def test_refusals_name_what_to_do(kernel, tmp_path):
     module, _ = kernel
     path, _ = mxfp4_checkpoint(tmp_path / "mxfp4")
-    with pytest.raises(ValueError, match="experts_implementation='grouped_mm': MXFP4 experts on TPU need"):
-        AutoModelForCausalLM.from_pretrained(path, config=module.mxfp4_checkpoint_config(path),
-                                             experts_implementation="grouped_mm")
+    for other in ("grouped_mm", "hub_some_other_experts"):  # transformers' own, or a function not ours
+        ALL_EXPERTS_FUNCTIONS.register("hub_some_other_experts", lambda *args: None)
+        with pytest.raises(ValueError, match=f"experts_implementation='{other}': MXFP4 experts on TPU need"):
+            AutoModelForCausalLM.from_pretrained(path, config=module.mxfp4_checkpoint_config(path),
+                                                 experts_implementation=other)
     ours = _load(module, path, torch.float32)
     ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="quantize_experts quantizes floating-point experts"):
+        module.quantize_experts(ours)
     del ours.model.layers[0].mlp.experts.down_proj_scales
     with pytest.raises(ValueError, match="need gate_up_proj_scales and down_proj_scales \\(mxfp4_checkpoint_config\\)"):
         ours(ids)

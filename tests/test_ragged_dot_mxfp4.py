@@ -17,7 +17,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 import tpu_compile
 from sampling import sample
 from ragged_dot import ops
-from ragged_dot.kernel import BlockSizes, grouped_matmul, mxfp4_planes
+from ragged_dot.kernel import MXFP4_PLANE_SCALE, BlockSizes, grouped_matmul, mxfp4_planes
 from runtime.generations import GENERATIONS
 
 # K = 2112: 66 scales per column (padded to 96 rows as mxfp4_weights holds them); with blocks of
@@ -53,13 +53,14 @@ def test_every_code_decodes_to_its_e2m1_value_times_its_scale():
     """Each byte's low nibble is the even K row, its high nibble the odd one; e2m1's subnormal (0.5)
     and signed zeros included; each group of 16 bytes (32 weights) takes its own scale."""
     codes = np.arange(256, dtype=np.uint8).reshape(16, 16).T  # column c: bytes 16c .. 16c + 15
-    # One scale per column (16 bytes), 2^-125 .. 2^121: every value a normal float32.
-    exponents = np.array([[2, 100, 120, 126, 127, 128, 129, 130, 140, 150, 160, 200, 240, 244, 248, 127]], np.int32)
+    # One scale per column (16 bytes), 2^-119 .. 2^127, e8m0's whole range but its smallest (values
+    # below float32's normal range, flushed on a TPU) and 255 (NaN): every plane value a normal float32.
+    exponents = np.array([[8, 100, 120, 126, 127, 128, 129, 130, 140, 150, 160, 200, 240, 250, 254, 127]], np.int32)
     lo, hi = mxfp4_planes(jnp.asarray(codes), jnp.asarray(exponents), jnp.float32)
-    values = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    values = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     power = np.exp2(exponents.astype(np.float64) - 127)
-    np.testing.assert_array_equal(np.asarray(lo), values[codes & 15] * power)
-    np.testing.assert_array_equal(np.asarray(hi), values[codes >> 4] * power)
+    for plane, nibbles in ((lo, codes & 15), (hi, codes >> 4)):  # the planes are the weights' 2^-6
+        np.testing.assert_array_equal(np.asarray(plane, np.float64) * MXFP4_PLANE_SCALE, values[nibbles] * power)
 
 
 @pytest.mark.parametrize("blocks", [None, BlockSizes(block_m=16, block_k=1024, block_n=128)],
@@ -123,7 +124,9 @@ def test_experts_forward_matches_the_dequantized_experts():
      r"K = 2000\).*K a multiple of 32"),
     (dict(transpose_rhs=True, rhs=jnp.ones((G, N, K // 2), jnp.uint8)), r"in the \[G, N, K / 2\] layout"),
     (dict(lhs=jnp.ones((M, K), jnp.float16)), "lhs must be bfloat16 or float32"),
-    (dict(rhs=jnp.ones((G, K, N), jnp.uint8)), r"rhs .* does not contract with lhs"),
+    (dict(rhs=jnp.ones((G, K, N), jnp.uint8)),
+     r"rhs \(3, 2112, 300\) \(transpose_rhs=False, MXFP4: two weights per byte along K\) does not contract with "
+     r"lhs \(40, 2112\)"),
 ])
 def test_bad_input_is_named_before_any_kernel(change, match):
     args = dict(lhs=jnp.ones((M, K), jnp.bfloat16), rhs=jnp.ones((G, K // 2, N), jnp.uint8),
@@ -135,8 +138,8 @@ def test_bad_input_is_named_before_any_kernel(change, match):
 
 def test_lhs_gradient_and_none_for_the_frozen_weights():
     """d lhs = d out @ (the decoded weights)^T: the kernel contracting the weights' minor dim, the
-    low nibbles giving the even columns and the high the odd; the weights and their exponents get
-    none."""
+    low nibbles giving the even columns and the high the odd (uint8 weights and exponents take no
+    gradient in JAX)."""
     stored_blocks, stored_scales = _stored(seed=7)
     rhs, scales = ops.mxfp4_weights(jnp.asarray(stored_blocks), jnp.asarray(stored_scales))
     weight, sizes = _dequantized(stored_blocks, stored_scales), jnp.asarray(SIZES, jnp.int32)
