@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 IMPL = "hub_ragged_dot_mxfp4"
@@ -103,6 +103,25 @@ def test_experts_stay_mxfp4_and_give_the_dequantized_models_logits(kernel, tmp_p
         torch._dynamo.reset()
         compiled = torch.compile(ours, fullgraph=True, dynamic=False)
         torch.testing.assert_close(compiled(ids).logits, want, rtol=0, atol=1e-4)
+
+
+def test_generate_batch_gives_the_dequantized_models_tokens(kernel, tmp_path):
+    """Served by continuous batching: the greedy tokens of transformers' dequantized load generating
+    one prompt at a time (fp32: in bf16 the two serving paths' attention roundings alone can turn a
+    near tie; the bf16 model's generate is checked below)."""
+    module, calls = kernel
+    path, _ = mxfp4_checkpoint(tmp_path)
+    ours = _load(module, path, torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().float()
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11)]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        calls.clear()
+        batched = ours.generate_batch(prompts, generation_config=config)
+        assert calls
+        for prompt, result in zip(prompts, sorted(batched.values(), key=lambda r: int(r.request_id.split("_")[-1]))):
+            alone = reference.generate(torch.tensor([prompt]), generation_config=config)
+            assert result.generated_tokens == alone[0, len(prompt):].tolist()
 
 
 def test_bf16_model_gives_the_dequantized_models_greedy_tokens(kernel, tmp_path):
