@@ -13,10 +13,11 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
 from transformers.integrations.moe import use_experts_implementation
 
+from counted_kernel import check_generate_batch
 from sampling import sample
 
 IMPL = "hub_ragged_dot_fp8"
@@ -164,15 +165,7 @@ def test_bf16_checkpoint_serves_generate_batch(kernel, tmp_path):
     ours = _load(module, path, torch.bfloat16)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     assert {p.dtype for n, p in ours.named_parameters() if n.endswith("proj")} == {torch.float8_e4m3fn}
-    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 12)]
-    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        calls.clear()
-        batched = ours.generate_batch(prompts, generation_config=config)
-        assert calls
-        for prompt, result in zip(prompts, sorted(batched.values(), key=lambda r: int(r.request_id.split("_")[-1]))):
-            alone = reference.generate(torch.tensor([prompt]), generation_config=config)
-            assert result.generated_tokens == alone[0, len(prompt):].tolist()
+    check_generate_batch(ours, reference, calls)
 
 
 def test_what_it_cannot_load_is_named_before_any_weight(kernel, tmp_path):

@@ -10,8 +10,10 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from counted_kernel import check_generate_batch
 
 IMPL = "hub_ragged_dot_mxfp4"
 # gpt-oss's architecture, tiny: K of both projections a multiple of 32 (hidden 128, intermediate 96).
@@ -113,15 +115,7 @@ def test_generate_batch_gives_the_dequantized_models_tokens(kernel, tmp_path):
     path, _ = mxfp4_checkpoint(tmp_path)
     ours = _load(module, path, torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().float()
-    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11)]
-    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        calls.clear()
-        batched = ours.generate_batch(prompts, generation_config=config)
-        assert calls
-        for prompt, result in zip(prompts, sorted(batched.values(), key=lambda r: int(r.request_id.split("_")[-1]))):
-            alone = reference.generate(torch.tensor([prompt]), generation_config=config)
-            assert result.generated_tokens == alone[0, len(prompt):].tolist()
+    check_generate_batch(ours, reference, calls, lengths=(5, 11))
 
 
 def test_bf16_model_gives_the_dequantized_models_greedy_tokens(kernel, tmp_path):
