@@ -67,6 +67,9 @@ class Options:
     head_major: bool = False  # the caches are [pages, Hkv, page_size, D] (`ops.CACHE_LAYOUTS`)
 
 
+# The most query rows (heads together times a block's rows) for which heads sharing a cache word
+# are attended together (`_kernel`); decode blocks have 8 to 16 rows per head, prefill blocks 64 and more.
+TOGETHER_MAX_ROWS = 64
 PAGES_PER_TRIP = 8  # page copies a loop trip starts (v6e: 46 issue cycles a page one to a trip, 33 eight to a trip)
 
 
@@ -192,45 +195,71 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         wait(g, slot)
         seq, first = step_seq[g], step_chunk[g] * chunk
         first_key = seq * opts.key_stride + first
-        cols = jax.lax.broadcasted_iota(jnp.int32, (lo_cols.shape[0], chunk), 1)
-        visible = (cols >= lanes(lo_cols[...] - first_key, chunk)) & (cols <= lanes(hi_cols[...] - first_key, chunk))
+        rows = lo_cols.shape[0]
+        # Token-major pages of a packed dtype (bf16, 8-bit) hold `together` heads of a token in
+        # each 32-bit word (heads minor, a head in one row of <= 128 lanes): a strided load of the
+        # words, seen in the cache's dtype, is those heads' keys interleaved by token (row
+        # together * t + e: token t of the group's head e). At decode's few rows those heads are
+        # attended together, each row masked to its own head's columns: the scores and softmax
+        # cover `together` times the columns, but no head is split out of the words (a strided
+        # load of packed rows unpacks and repacks every row: about 1.5x the head-major
+        # attention's cycles on v6e and tpu7x). Prefill's many rows keep a head at a time.
+        packing = 4 // k_buf.dtype.itemsize
+        one_row_heads = k_buf.shape[1] == chunk * hkv and v_buf.shape[1] == chunk * hkv
+        together = (packing if not opts.head_major and one_row_heads and hkv % packing == 0 and hkv > 1
+                    and k_buf.dtype == v_buf.dtype and packing * rows <= TOGETHER_MAX_ROWS else 1)
+        width = together * chunk
+        cols = jax.lax.broadcasted_iota(jnp.int32, (together * rows, width), 1)
+        bound = lambda ref, shift: lanes(jnp.tile(ref[...] - first_key + shift, (together, 1)) * together, width)
+        visible = (cols >= bound(lo_cols, 0)) & (cols < bound(hi_cols, 1))
+        if together > 1:
+            row_head = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 0) // rows
+            visible &= cols % together == row_head
         # Rows of pages not copied (past the sequence's length, before its window) hold whatever the
         # cache (or an earlier chunk) left: their scores are masked, and their values zeroed so that
         # 0 * garbage cannot be NaN.
         page_first, _ = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
-        key = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-        stored = key < kv_lens[seq] - first
+        key = jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0)
+        stored = key < (kv_lens[seq] - first) * together
         if opts.windowed:
-            stored &= key >= page_first * page_size
+            stored &= key >= page_first * page_size * together
+
         def head_rows(buf, h):
-            """Head h's keys (or values) of the chunk. Head-major pages: whole tiles of each page.
-            Token-major: every hkv-th row, one strided load per 128 lanes (`lane_tiles`), no
-            relayout; for a packed dtype each load splits and repacks rows (about 1.5x the
-            attention's cycles of the head-major load on v6e and tpu7x, a test kernel's). (Through
-            .at[slot]: Mosaic refuses a dynamic index beside a strided one on packed dtypes.)"""
+            """Keys (or values) of the chunk for heads h .. h + together - 1. Head-major pages:
+            whole tiles of each page. Token-major: every hkv-th row (or word), one strided load
+            per 128 lanes (`lane_tiles`), no relayout. (Through .at[slot]: Mosaic refuses a
+            dynamic index beside a strided one on packed dtypes.)"""
             if opts.head_major:
                 return buf.at[slot][:, h].reshape(chunk, buf.shape[-1])
             n = buf.shape[1] // (chunk * hkv)
             if hkv * n == 1:
                 return buf.at[slot][...]
+            if together > 1:
+                words = buf.bitcast(jnp.uint32).at[slot][pl.ds(h // together, chunk, stride=hkv // together), :]
+                return pltpu.bitcast(words, buf.dtype)
             parts = [buf.at[slot][pl.ds(h * n + j, chunk, stride=hkv * n), :] for j in range(n)]
             return parts[0] if n == 1 else jnp.concatenate(parts, axis=1)
 
+        stack = lambda values: values[0] if together == 1 else jnp.concatenate(values, axis=0)
         score_scale = opts.scale * kv_scales[0]
-        for h in range(hkv):  # the KV heads: a page holds them all, head-minor
-            q = q_ref[h]
-            k = head_rows(k_buf, h).astype(q.dtype)
-            v = jnp.where(stored, head_rows(v_buf, h).astype(q.dtype), 0)
+        for h0 in range(0, hkv, together):  # the KV heads: a page holds them all, head-minor
+            heads = range(h0, h0 + together)
+            q = stack([q_ref[h] for h in heads])
+            k = head_rows(k_buf, h0).astype(q.dtype)
+            v = jnp.where(stored, head_rows(v_buf, h0).astype(q.dtype), 0)
             s = jnp.where(visible, scores(q, k, score_scale, opts.softcap)[0], MASKED)
-            m_prev = m_ref[h]
+            m_prev = stack([m_ref[h] for h in heads])
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             # A row that has seen no key yet (m_new still MASKED) gets p = 1 for its hidden keys here:
             # the first key it sees scales them away (alpha = 0), and _finish zeroes a row that sees none.
-            p = jnp.exp2(s - lanes(m_new, chunk))
+            p = jnp.exp2(s - lanes(m_new, width))
             alpha = jnp.exp2(m_prev - m_new)
-            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-            acc_ref[h] = lanes(alpha, acc_ref.shape[2]) * acc_ref[h] + dot(p.astype(v.dtype), v, 1, 0)
-            m_ref[h] = m_new
+            l_new = alpha * stack([l_ref[h] for h in heads]) + jnp.sum(p, axis=1, keepdims=True)
+            acc_new = (lanes(alpha, acc_ref.shape[2]) * stack([acc_ref[h] for h in heads])
+                       + dot(p.astype(v.dtype), v, 1, 0))
+            for e, h in enumerate(heads):
+                cut = slice(e * rows, (e + 1) * rows)
+                m_ref[h], l_ref[h], acc_ref[h] = m_new[cut], l_new[cut], acc_new[cut]
 
     @pl.when(last_of_block)
     def _finish():

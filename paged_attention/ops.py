@@ -49,9 +49,9 @@ def cache_major_to_minor(kv_heads: int, cache_layout: str = "token_major") -> tu
     return (0, 2, 1, 3) if kv_heads == 1 and cache_layout == "token_major" else CACHE_MAJOR_TO_MINOR
 # How a cache's dims are ordered, each row-major. token_major [pages, page_size, Hkv, D] is vLLM's;
 # head_major [pages, Hkv, page_size, D] keeps each KV head's rows of a page together, so the
-# kernel reads a head as whole tiles where token-major needs strided loads that split and
-# repack a packed dtype's rows (a decode step's attention issues about 0.65x the cycles on v6e
-# and tpu7x, a test kernel's; MODELED). Both kernels take either (`cache_layout=`).
+# kernel reads a head as whole tiles where token-major needs strided loads (at decode of whole
+# 32-bit words, several heads attended together; elsewhere of a packed dtype's rows, split and
+# repacked: `kernel._kernel`). Both kernels take either (`cache_layout=`).
 CACHE_LAYOUTS = ("token_major", "head_major")
 
 

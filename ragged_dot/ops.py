@@ -173,21 +173,29 @@ def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, mxfp4=False):
 
 
 def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, down_proj,
-                         up_bias=(0,), down_bias=(0,), *, gated=True, transposed=False):
+                         up_bias=(0,), down_bias=(0,), *, gated=True, transposed=False, mxfp4=False):
     """Shapes of an experts layer: up_proj [E, U, H] (U = 2I gated, else I)
     and down_proj [E, H, I], or [E, H, U] and [E, I, H] when transposed;
-    biases [E, U] and [E, H], or empty for none."""
+    biases [E, U] and [E, H], or empty for none. mxfp4: both weights' bytes hold two weights each
+    along the contraction (errors name the shapes as passed, and the weights they hold)."""
     tokens, hidden = _shape_of("hidden_states", hidden_states, 2)
     name = "gate_up_proj" if gated else "up_proj"
-    up = _shape_of(name, up_proj, 3)
-    down = _shape_of("down_proj", down_proj, 3)
+
+    def weights(weight_name, shape):
+        given = _shape_of(weight_name, shape, 3)
+        if not mxfp4:
+            return given, f"{weight_name} {given}"
+        held = weight_shape(given, jnp.uint8, not transposed)
+        return held, f"{weight_name} {given} (MXFP4: {held} weights)"
+
+    (up, up_named), (down, down_named) = weights(name, up_proj), weights("down_proj", down_proj)
     experts, up_out, up_in = (up[0], up[2], up[1]) if transposed else up
     if up_in != hidden or (gated and up_out % 2):
-        raise ValueError(f"{name} {up} does not fit hidden_states {(tokens, hidden)} (transposed={transposed})")
+        raise ValueError(f"{up_named} does not fit hidden_states {(tokens, hidden)} (transposed={transposed})")
     inter = up_out // 2 if gated else up_out
     want_down = (experts, inter, hidden) if transposed else (experts, hidden, inter)
     if down != want_down:
-        raise ValueError(f"down_proj {down} should be {want_down}")
+        raise ValueError(f"{down_named} should hold {want_down} weights")
     for bias_name, bias, width in ((name + "_bias", up_bias, up_out), ("down_proj_bias", down_bias, hidden)):
         if tuple(bias) not in ((0,), (experts, width)):
             raise ValueError(f"{bias_name} {tuple(bias)} should be {(experts, width)}")
@@ -430,11 +438,9 @@ def experts_forward(
     """
     up_bias = None if up_bias is None or up_bias.size == 0 else up_bias
     down_bias = None if down_bias is None or down_bias.size == 0 else down_bias
-    check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape,
-                         weight_shape(up_proj.shape, up_proj.dtype, not transposed),
-                         weight_shape(down_proj.shape, down_proj.dtype, not transposed),
-                         (0,) if up_bias is None else up_bias.shape,
-                         (0,) if down_bias is None else down_bias.shape, gated=gated, transposed=transposed)
+    check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up_proj.shape, down_proj.shape,
+                         (0,) if up_bias is None else up_bias.shape, (0,) if down_bias is None else down_bias.shape,
+                         gated=gated, transposed=transposed, mxfp4=up_proj.dtype == jnp.uint8)
     up_name = "gate_up_proj" if gated else "up_proj"
     for weights, scale, names in ((up_proj, up_scale, ("hidden_states", up_name, "up_scale")),
                                   (down_proj, down_scale, ("hidden_states", "down_proj", "down_scale"))):

@@ -203,9 +203,9 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                   "down_proj": weight_dtypes, up_name + MXFP4_SCALE_SUFFIX: MXFP4_SCALE_DTYPES,
                   "down_proj" + MXFP4_SCALE_SUFFIX: MXFP4_SCALE_DTYPES}.get(name, FLOAT_DTYPES)
         check_tensor(name, tensor, None, dtypes)
-    logical = lambda w: ops.weight_shape(w.shape, torch_dtype_to_jax(w.dtype), not layout["transposed"])
-    ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, logical(up), logical(down),
-                             up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"])
+    ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up.shape, down.shape,
+                             up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"],
+                             mxfp4=mxfp4)
     check_same_device(**tensors)
     must_match = (up_name + "_bias", "down_proj_bias") + (() if quantized else (up_name, "down_proj"))
     for name in must_match:

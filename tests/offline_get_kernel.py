@@ -31,6 +31,7 @@ if "--torch-backends-tpu" in sys.argv:
     torch.backends.tpu = types.SimpleNamespace()
 
 from kernels import get_kernel  # noqa: E402
+from errors import max_error
 
 try:
     kernel = get_kernel(repo_id, version=version, trust_remote_code=[repo_id] if "--trust" in sys.argv else False)
@@ -65,7 +66,7 @@ elif hasattr(kernel, "ragged_paged_attention"):  # write a sequence's 40 tokens 
     k_cache, v_cache = ops.reshape_and_cache_flash(as_jax(k), as_jax(v), k_cache, v_cache, as_jax(slots))
     jax_out = ops.ragged_paged_attention(as_jax(q), k_cache, v_cache, jnp.asarray([40], jnp.int32), as_jax(table),
                                          jnp.asarray([0, 1], jnp.int32), 1)
-    jax_error = float(jnp.max(jnp.abs(jax_out - as_jax(want))))
+    jax_error = max_error(jax_out, as_jax(want))
 elif hasattr(kernel, "chunk_gated_delta_rule"):  # the card's usage block as written, against transformers' reference
     import pathlib
     import re
@@ -89,7 +90,7 @@ elif hasattr(kernel, "chunk_gated_delta_rule"):  # the card's usage block as wri
     jax_o, jax_state = names["gdr"].ops.chunk_gated_delta_rule(
         *(as_jax(names[x]) for x in ("q", "k", "v", "g", "beta")), initial_state=jnp.zeros((2, 4, 64, 32)),
         output_final_state=True, cu_seqlens=as_jax(names["cu_seqlens"]))
-    jax_error = float(jnp.max(jnp.abs(jnp.concatenate([jax_o.reshape(-1), jax_state.reshape(-1)]) - as_jax(want))))
+    jax_error = max_error(jnp.concatenate([jax_o.reshape(-1), jax_state.reshape(-1)]), as_jax(want))
 else:  # flash attention: one causal GQA batch against torch's own attention
     q, k, v = (torch.randn(2, 40, heads, 64, generator=gen(seed)) for seed, heads in ((0, 4), (1, 2), (2, 2)))
     out = kernel.flash_attn_func(q, k, v, causal=True)

@@ -14,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from flash_attention import kernel, ops, reference, tuning
 from flash_attention.kernel import BlockSizes
 from sampling import named, sample
+from errors import max_abs, max_error
 
 # Small blocks, so a few hundred tokens span several query and key blocks.
 SMALL = BlockSizes(block_q=16, block_k=128)
@@ -55,10 +56,6 @@ def _inputs(case, dtype, seed=0, extra_q=3, extra_k=5):
     if options.get("sinks"):
         options["sinks"] = jnp.asarray(rng.standard_normal(hq), dtype)
     return q, k, v, cu(lens_q), cu(lens_k), options
-
-
-def _max_error(a, b):
-    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
 # Sampled (tests/sampling.py): the two-sided window and MQA with every option run forward and
@@ -180,7 +177,7 @@ def _check_fp32(case, blocks=SMALL, **call):
     out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=blocks, **options, **call)
     expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
     assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.dtype == q.dtype
-    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert max_error(out, expected) <= FP32_TOLERANCE * max_abs(expected)
     assert not np.any(np.asarray(out[int(cu_q[-1]):])), "padding queries must get zeros"
 
     # Gradients of a random projection of the output, including the padding rows'.
@@ -197,8 +194,8 @@ def _check_fp32(case, blocks=SMALL, **call):
     theirs = jax.grad(lambda *a: loss(reference.attention_varlen, *a), argnums)(*args)
     for name, got, want in zip(("q", "k", "v", "sinks"), ours, theirs):
         assert got.shape == want.shape and got.dtype == want.dtype, name
-        scale = max(1.0, float(jnp.max(jnp.abs(want))))
-        assert _max_error(got, want) <= FP32_TOLERANCE * scale, name
+        scale = max(1.0, max_abs(want))
+        assert max_error(got, want) <= FP32_TOLERANCE * scale, name
     # Keys past cu_seqlens_k[-1] are never seen: their gradients are exactly zero.
     assert not np.any(np.asarray(ours[1][int(cu_k[-1]):])) and not np.any(np.asarray(ours[2][int(cu_k[-1]):]))
 
@@ -219,7 +216,7 @@ def test_bf16_forward_is_the_reference_rounded(case):
         factor = options.get("softmax_scale", q.shape[-1] ** -0.5) * math.log2(math.e)
         q_used = (q_used * factor).astype(jnp.bfloat16).astype(jnp.float32) / factor
     expected = reference.attention_varlen(q_used, k, v, cu_q, cu_k, **options)
-    assert _max_error(out, expected) <= 2**-8 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+    assert max_error(out, expected) <= 2**-8 * max_abs(v.astype(jnp.float32))
 
 
 def test_bf16_accumulators_are_f32():
@@ -235,14 +232,14 @@ def test_bf16_accumulators_are_f32():
     cu_q, cu_k = jnp.asarray([0, tq], jnp.int32), jnp.asarray([0, tk], jnp.int32)
     out = ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=block)
     exact = (128 * 8.0 + 896 * float(jnp.bfloat16(0.02))) / tk
-    assert _max_error(out, jnp.full(out.shape, exact)) <= 2**-8 * exact  # one bf16 rounding
+    assert max_error(out, jnp.full(out.shape, exact)) <= 2**-8 * exact  # one bf16 rounding
 
     # dv_j = sum_i p_ij do_i = mean of do over the queries: the first query block's do is 8, the rest 0.02.
     do = jnp.broadcast_to(jnp.where(jnp.arange(tq)[:, None, None] < 16, 8.0, 0.02), (tq, 1, 128)).astype(jnp.bfloat16)
     _, pullback = jax.vjp(lambda v: ops.flash_attention_varlen(q, k, v, cu_q, cu_k, blocks=block), v)
     (dv,) = pullback(do)
     exact_dv = (16 * 8.0 + 48 * float(jnp.bfloat16(0.02))) / tk
-    assert _max_error(dv, jnp.full(dv.shape, exact_dv)) <= 2**-8 * exact_dv
+    assert max_error(dv, jnp.full(dv.shape, exact_dv)) <= 2**-8 * exact_dv
 
 
 def _bf16_gradients(q, k, v, do):
@@ -274,8 +271,8 @@ def test_bf16_backward_cancels_the_d_term_in_f32(d):
     out, dq, dk, _ = _bf16_gradients(ones, ones, _rows(tokens, u), _rows(tokens, w))
     assert bool(jnp.all(out == _rows(tokens, u))), "O must be exact for D to be"
     bound = 2**-16 * d ** -0.5 * d_term
-    assert _max_error(dq, jnp.zeros_like(dq)) <= bound
-    assert _max_error(dk, jnp.zeros_like(dk)) <= bound
+    assert max_error(dq, jnp.zeros_like(dq)) <= bound
+    assert max_error(dk, jnp.zeros_like(dk)) <= bound
 
 
 # Sampled (tests/sampling.py): each dq kernel once.
@@ -323,7 +320,7 @@ def test_dense_batch_is_the_packed_batch():
     expected = reference.attention_varlen(q.reshape(60, 4, 64), k.reshape(150, 2, 64), v.reshape(150, 2, 64),
                                           cu_q, cu_k, causal=True)
     assert out.shape == (3, 20, 4, 64)
-    assert _max_error(out.reshape(60, 4, 64), expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert max_error(out.reshape(60, 4, 64), expected) <= FP32_TOLERANCE * max_abs(expected)
 
 
 def test_schedule_skips_blocks_no_query_sees():
@@ -406,5 +403,5 @@ def test_kernels_pass_the_tpu_interpreter(dq_kernel, monkeypatch):
     assert tpu_interpreter.races.races_found is False
     pltpu.reset_tpu_interpret_mode_state()
     expected = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
-    assert _max_error(out, expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert max_error(out, expected) <= FP32_TOLERANCE * max_abs(expected)
     assert all(bool(jnp.isfinite(g).all()) for g in grads), "a kernel read uninitialised memory"

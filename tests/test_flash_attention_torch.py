@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from test_flash_attention_numerics import FP32_TOLERANCE, _max_error
+from test_flash_attention_numerics import FP32_TOLERANCE
 
 import flash_attention
 from flash_attention import ops, reference, torch_ops
+from errors import max_abs, max_error
 
 
 def _varlen(dtype=torch.float32, requires_grad=False, head_dim=64, value_dim=64):
@@ -27,7 +28,7 @@ def _jax(t: torch.Tensor):
 def _assert_matches_reference(out, q, k, v, cu_q, cu_k, **options):
     """fp32: the kernels' only error is reassociation (test_flash_attention_numerics' FP32_TOLERANCE)."""
     expected = reference.attention_varlen(*(_jax(t) for t in (q, k, v, cu_q, cu_k)), **options)
-    assert _max_error(_jax(out), expected) <= FP32_TOLERANCE * float(jnp.max(jnp.abs(expected)))
+    assert max_error(_jax(out), expected) <= FP32_TOLERANCE * max_abs(expected)
 
 
 def test_opcheck():
@@ -253,7 +254,7 @@ def test_f32_sinks_are_not_rounded_to_bf16():
     out.float().sum().backward()
     assert sinks.grad.dtype == torch.float32
     want_out, want_grad = expected(_jax(sinks))
-    relative = lambda got, want: float(jnp.max(jnp.abs(got.astype(jnp.float32) - want) / jnp.abs(want)))
+    relative = lambda got, want: max_abs((got.astype(jnp.float32) - want) / jnp.abs(want))
     bound = 2**-7
     assert relative(_jax(out.float()), want_out) <= bound
     assert relative(_jax(sinks.grad), want_grad) <= bound

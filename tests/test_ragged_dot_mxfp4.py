@@ -19,6 +19,7 @@ from sampling import sample
 from ragged_dot import ops
 from ragged_dot.kernel import MXFP4_PLANE_SCALE, BlockSizes, grouped_matmul, mxfp4_planes
 from runtime.generations import GENERATIONS
+from errors import max_abs, max_error
 
 # K = 2112: 66 scales per column (padded to 96 rows as mxfp4_weights holds them); with blocks of
 # 1024 the last K step is partial. N = 300: the last N tile partial. An empty group, rows past the
@@ -78,7 +79,7 @@ def test_matches_transformers_dequantized_weights(lhs_dtype, blocks, padded):
     out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scales, blocks=blocks)
     want = _reference(lhs, _dequantized(stored_blocks, stored_scales), sizes)
     assert out.shape == (M, N) and out.dtype == lhs_dtype
-    assert jnp.max(jnp.abs(out.astype(jnp.float32) - want)) <= TOLERANCE[lhs_dtype] * jnp.max(jnp.abs(want))
+    assert max_error(out.astype(jnp.float32), want) <= TOLERANCE[lhs_dtype] * max_abs(want)
     assert not np.any(np.asarray(out[sum(SIZES):])), "rows past the groups are zero"
 
 
@@ -92,7 +93,7 @@ def test_passes_the_tpu_interpreter():
     out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scales, blocks=BlockSizes(16, 1024, 256),
                          interpret=pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan"))
     want = _reference(lhs, _dequantized(stored_blocks, stored_scales), sizes)
-    assert jnp.max(jnp.abs(out.astype(jnp.float32) - want)) <= TOLERANCE[jnp.bfloat16] * jnp.max(jnp.abs(want))
+    assert max_error(out.astype(jnp.float32), want) <= TOLERANCE[jnp.bfloat16] * max_abs(want)
 
 
 def test_experts_forward_matches_the_dequantized_experts():
@@ -113,7 +114,11 @@ def test_experts_forward_matches_the_dequantized_experts():
     got = ops.experts_forward(x, ids, weights, up, down, *biases, up_scale=up_scale, down_scale=down_scale, **gate)
     want = ops.experts_forward(x, ids, weights, _dequantized(up_blocks, up_scales),
                                _dequantized(down_blocks, down_scales), *biases, **gate)
-    assert jnp.max(jnp.abs(got - want)) <= 1e-5 * jnp.max(jnp.abs(want))
+    assert max_error(got, want) <= 1e-5 * max_abs(want)
+    # A wrong shape is named as passed, with the weights its bytes hold.
+    with pytest.raises(ValueError, match=r"down_proj \(4, 32, 128\) \(MXFP4: \(4, 64, 128\) weights\) should hold "
+                                         r"\(4, 96, 128\) weights"):
+        ops.experts_forward(x, ids, weights, up, down[:, :32], *biases, up_scale=up_scale, down_scale=down_scale, **gate)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -147,7 +152,7 @@ def test_lhs_gradient_and_none_for_the_frozen_weights():
     cotangent = jnp.asarray(np.random.default_rng(9).standard_normal((M, N)), jnp.float32)
     got = jax.grad(lambda x: jnp.sum(ops.ragged_dot(x, rhs, sizes, rhs_scale=scales) * cotangent))(lhs)
     want = jax.grad(lambda x: jnp.sum(_reference(x, weight, sizes) * cotangent))(lhs)
-    assert jnp.max(jnp.abs(got - want)) <= TOLERANCE[jnp.float32] * jnp.max(jnp.abs(want))
+    assert max_error(got, want) <= TOLERANCE[jnp.float32] * max_abs(want)
     assert not np.any(np.asarray(got[sum(SIZES):]))
 
 
@@ -168,7 +173,7 @@ def test_lhs_gradient_kernel_over_pair_blocks_and_n_steps(interpret):
     want = jax.lax.ragged_dot(grad_out, jnp.swapaxes(weight, 1, 2), jnp.asarray(SIZES, jnp.int32),
                               precision=jax.lax.Precision.HIGHEST)
     assert got.shape == (rows, K)
-    assert jnp.max(jnp.abs(got - want)) <= TOLERANCE[jnp.float32] * jnp.max(jnp.abs(want))
+    assert max_error(got, want) <= TOLERANCE[jnp.float32] * max_abs(want)
 
 
 @pytest.mark.parametrize("pass_", sample(["forward", "lhs_gradient"], {"forward"}))

@@ -7,6 +7,7 @@ import pytest
 
 from ragged_dot import ops, reference
 from sampling import sample
+from errors import max_abs, max_error
 
 # (M, K, N, group_sizes): ragged, empty, unaligned groups; M not a
 # multiple of 8 or 128; rows past sum(group_sizes); all rows in one group;
@@ -384,10 +385,10 @@ def test_down_projection_read_as_held_matches_the_grouped_path(case, dtype, monk
         if name == "top_k_index" or got is None:
             continue
         got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-        scale = float(jnp.max(jnp.abs(want)))
+        scale = max_abs(want)
         bound = TOLERANCE[jnp.float32] * max(scale, 1.0) if dtype == jnp.float32 else \
             (2**-7 if name == "out" else 2**-5) * scale
-        assert float(jnp.max(jnp.abs(got - want))) <= bound, name
+        assert max_error(got, want) <= bound, name
 
 
 @pytest.mark.parametrize("order,tokens,generation,want", [
@@ -431,4 +432,4 @@ def test_given_blocks_are_the_forward_kernels():
     assert grids(given)[0][0::2] == (3, 2)  # 384 / 128 column tiles, 256 / 128 K steps
     assert grids(given) != grids(lambda x: ops.ragged_dot(x, rhs, sizes))
     want = ops.ragged_dot(lhs, rhs, sizes)  # fp32: only the summation order differs (K in two steps)
-    np.testing.assert_allclose(given(lhs), want, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    np.testing.assert_allclose(given(lhs), want, rtol=0, atol=1e-5 * max_abs(want))

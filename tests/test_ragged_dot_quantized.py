@@ -13,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 import tpu_compile
 from ragged_dot import ops
 from runtime.generations import GENERATIONS
+from errors import max_abs, max_error
 
 # Unaligned K and N (the last blocks masked and clipped), an empty group, rows past the groups.
 G, K, N, M = 3, 200, 300, 40
@@ -57,7 +58,7 @@ def test_matches_the_dequantized_weights(dtype, transpose_rhs, lhs_dtype, per_bl
     out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=transpose_rhs)
     want = _reference(lhs, weight, sizes)
     assert out.shape == (M, N) and out.dtype == lhs_dtype
-    assert jnp.max(jnp.abs(out.astype(jnp.float32) - want)) <= TOLERANCE[lhs_dtype] * jnp.max(jnp.abs(want))
+    assert max_error(out.astype(jnp.float32), want) <= TOLERANCE[lhs_dtype] * max_abs(want)
     assert not np.any(np.asarray(out[sum(SIZES):])), "rows past the groups are zero"
 
 
@@ -74,7 +75,7 @@ def test_block_scales_follow_every_k_step_and_n_tile(transpose_rhs):
     out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=transpose_rhs,
                          blocks=BlockSizes(block_m=16, block_k=128, block_n=256))
     want = _reference(lhs, weight, sizes)
-    assert jnp.max(jnp.abs(out - want)) <= TOLERANCE[jnp.float32] * jnp.max(jnp.abs(want))
+    assert max_error(out, want) <= TOLERANCE[jnp.float32] * max_abs(want)
 
 
 @pytest.mark.parametrize("per_block", [False, True], ids=["per_channel", "per_block"])
@@ -86,7 +87,7 @@ def test_lhs_gradient_and_none_for_the_frozen_weights(per_block):
     cotangent = jnp.asarray(np.random.default_rng(3).standard_normal((M, N)), jnp.float32)
     got = jax.grad(lambda x: jnp.sum(ops.ragged_dot(x, rhs, sizes, rhs_scale=scale, transpose_rhs=True) * cotangent))(lhs)
     want = jax.grad(lambda x: jnp.sum(_reference(x, weight, sizes) * cotangent))(lhs)
-    assert jnp.max(jnp.abs(got - want)) <= 1e-5 * jnp.max(jnp.abs(want))
+    assert max_error(got, want) <= 1e-5 * max_abs(want)
     assert not np.any(np.asarray(got[sum(SIZES):]))
     d_scale = jax.grad(lambda s: jnp.sum(ops.ragged_dot(lhs, rhs, sizes, rhs_scale=s, transpose_rhs=True)))(scale)
     assert not np.any(np.asarray(d_scale))
@@ -103,7 +104,7 @@ def test_passes_the_tpu_interpreter(dtype, per_block):
     out = ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=True,
                          interpret=pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan"))
     want = _reference(lhs, weight, sizes)
-    assert jnp.max(jnp.abs(out.astype(jnp.float32) - want)) <= TOLERANCE[jnp.bfloat16] * jnp.max(jnp.abs(want))
+    assert max_error(out.astype(jnp.float32), want) <= TOLERANCE[jnp.bfloat16] * max_abs(want)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -187,10 +188,10 @@ def test_experts_forward_matches_the_dequantized_experts(transposed, per_block):
         return ops.experts_forward(x, index, weights, up_fp32, down_fp32, up_bias, down_bias, transposed=transposed)
 
     got, want = quantized(x), dequantized(x)
-    assert jnp.max(jnp.abs(got - want)) <= 1e-5 * jnp.max(jnp.abs(want))
+    assert max_error(got, want) <= 1e-5 * max_abs(want)
     cotangent = jnp.asarray(rng.standard_normal(got.shape), jnp.float32)
     grads = [jax.grad(lambda x: jnp.sum(f(x) * cotangent))(x) for f in (quantized, dequantized)]
-    assert jnp.max(jnp.abs(grads[0] - grads[1])) <= 1e-5 * jnp.max(jnp.abs(grads[1]))
+    assert max_error(grads[0], grads[1]) <= 1e-5 * max_abs(grads[1])
     with pytest.raises(ValueError, match="down_scale must be float32"):
         ops.experts_forward(x, index, weights, up, down, transposed=transposed, up_scale=up_scale,
                             down_scale=up_scale)
