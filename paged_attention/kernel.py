@@ -190,6 +190,30 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         hi_cols[...] = jnp.broadcast_to(hi_ref[...], hi_cols.shape)
         start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
 
+    def zero_unfilled_values(seq, first):
+        """V rows no copy of this step filled (pages before the sequence's window or past its end,
+        the last page's rows past its end) hold what an earlier chunk, the cache's unwritten slots
+        or uninitialised VMEM left: their scores are masked, but 0 * NaN is not 0, so they are
+        zeroed in place (garbage K only reaches masked scores). A chunk the sequence fills
+        writes nothing."""
+        page_first, page_end = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
+
+        def zero_page(p):
+            page = page_rows(v_buf, slot, p)
+            page[...] = jnp.zeros(page.shape, page.dtype)
+
+        loop(page_first, zero_page)
+        loop(ppb - page_end, lambda j: zero_page(page_end + j))
+        filled = kv_lens[seq] - first - (page_end - 1) * page_size  # tokens of the last page copied
+
+        @pl.when((page_end > page_first) & (filled < page_size))
+        def _():
+            page = page_rows(v_buf, slot, page_end - 1)  # [page_size * Hkv rows, D] or [Hkv, page_size, D]
+            token = jax.lax.broadcasted_iota(jnp.int32, page.shape, 1 if opts.head_major else 0)
+            if not opts.head_major:
+                token = token // (page.shape[0] // page_size)
+            page[...] = jnp.where(token < filled, page[...], jnp.zeros(page.shape, page.dtype))
+
     @pl.when(runs & (step_works[g] == 1))
     def _step():
         wait(g, slot)
@@ -215,14 +239,19 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         if together > 1:
             row_head = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 0) // rows
             visible &= cols % together == row_head
-        # Rows of pages not copied (past the sequence's length, before its window) hold whatever the
-        # cache (or an earlier chunk) left: their scores are masked, and their values zeroed so that
-        # 0 * garbage cannot be NaN.
-        page_first, _ = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
-        key = jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0)
-        stored = key < (kv_lens[seq] - first) * together
-        if opts.windowed:
-            stored &= key >= page_first * page_size * together
+        # Value rows no copy filled must not reach the PV matmul (0 * NaN is not 0): zeroed in VMEM
+        # once per partial chunk (`zero_unfilled_values`), or, for a head-major cache of 16 or 32
+        # bits, masked as each head's values are read (there the mask rides on whole-tile loads and
+        # the zeroing's stores cost more, MODELED on tpu7x).
+        stored = None
+        if opts.head_major and v_buf.dtype.itemsize > 1:
+            page_first, _ = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
+            key = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+            stored = key < kv_lens[seq] - first
+            if opts.windowed:
+                stored &= key >= page_first * page_size
+        else:
+            zero_unfilled_values(seq, first)
 
         def head_rows(buf, h):
             """Keys (or values) of the chunk for heads h .. h + together - 1. Head-major pages:
@@ -246,7 +275,9 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             heads = range(h0, h0 + together)
             q = stack([q_ref[h] for h in heads])
             k = head_rows(k_buf, h0).astype(q.dtype)
-            v = jnp.where(stored, head_rows(v_buf, h0).astype(q.dtype), 0)
+            v = head_rows(v_buf, h0).astype(q.dtype)
+            if stored is not None:
+                v = jnp.where(stored, v, 0)
             s = jnp.where(visible, scores(q, k, score_scale, opts.softcap)[0], MASKED)
             m_prev = stack([m_ref[h] for h in heads])
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))

@@ -217,11 +217,16 @@ def test_default_blocks_run_decode_sequences_in_8_row_blocks(q_lens, generation)
     assert not np.any(np.asarray(out[int(cu[live]):])), "tokens past the live sequences must get zeros"
 
 
-def test_pages_past_a_sequence_are_never_read():
+@pytest.mark.parametrize("cache_layout,cache_dtype", [("token_major", jnp.float32), ("head_major", jnp.float32),
+                                                      ("head_major", jnp.float8_e4m3fn)],
+                         ids=["token_major", "head_major", "head_major_fp8"])
+def test_pages_past_a_sequence_are_never_read(cache_layout, cache_dtype):
     """Every page past a sequence's length (and the stale rows of its last page) holds NaN, and
-    the page table past them points out of the cache: the output is the reference's, finite."""
+    the page table past them points out of the cache: the output is the reference's, finite, in
+    either cache layout (an 8-bit head-major cache's unfilled rows are zeroed in VMEM, an f32
+    one's masked as read)."""
     case = CASES[0]
-    (q, k_cache, v_cache, kv_lens, page_indices, cu, live), options = _inputs(case, jnp.float32)
+    (q, k_cache, v_cache, kv_lens, page_indices, cu, live), options = _inputs(case, jnp.float32, cache_dtype)
     page_size = k_cache.shape[1]
     kv, table = np.asarray(kv_lens), np.asarray(page_indices).copy()
     stale = np.ones(k_cache.shape[:2], bool)
@@ -232,9 +237,10 @@ def test_pages_past_a_sequence_are_never_read():
             stale[table[s, j], :rows] = False
         table[s, used:] = k_cache.shape[0] + 7
     poison = jnp.asarray(stale)[:, :, None, None]
-    k_cache, v_cache = (jnp.where(poison, jnp.nan, x) for x in (k_cache, v_cache))
-    args = (q, k_cache, v_cache, kv_lens, jnp.asarray(table), cu, live)
-    out = ops.ragged_paged_attention(*args, blocks=case[7], **options)
+    k_cache, v_cache = (jnp.where(poison, jnp.nan, x).astype(x.dtype) for x in (k_cache, v_cache))
+    layout = _head_major if cache_layout == "head_major" else lambda cache: cache
+    args = (q, layout(k_cache), layout(v_cache), kv_lens, jnp.asarray(table), cu, live)
+    out = ops.ragged_paged_attention(*args, blocks=case[7], cache_layout=cache_layout, **options)
     clean = (q, jnp.where(poison, 0.0, k_cache), jnp.where(poison, 0.0, v_cache), kv_lens, jnp.asarray(table), cu, live)
     expected = reference.ragged_paged_attention(*clean, **options)
     assert bool(jnp.isfinite(out).all())
