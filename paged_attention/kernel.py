@@ -227,7 +227,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         # attended together, each row masked to its own head's columns: the scores and softmax
         # cover `together` times the columns, but no head is split out of the words (a strided
         # load of packed rows unpacks and repacks every row: about 1.5x the head-major
-        # attention's cycles on v6e and tpu7x). Prefill's many rows keep a head at a time.
+        # attention's cycles on v6e and tpu7x, MODELED). Prefill's many rows keep a head at a time.
         packing = 4 // k_buf.dtype.itemsize
         one_row_heads = k_buf.shape[1] == chunk * hkv and v_buf.shape[1] == chunk * hkv
         together = (packing if not opts.head_major and one_row_heads and hkv % packing == 0 and hkv > 1

@@ -155,8 +155,8 @@ def test_gradients_flow_through_the_frozen_experts(kernel, tmp_path):
 def test_refusals_name_what_to_do(kernel, tmp_path):
     module, _ = kernel
     path, _ = mxfp4_checkpoint(tmp_path / "mxfp4")
+    ALL_EXPERTS_FUNCTIONS.register("hub_some_other_experts", lambda *args: None)
     for other in ("grouped_mm", "hub_some_other_experts"):  # transformers' own, or a function not ours
-        ALL_EXPERTS_FUNCTIONS.register("hub_some_other_experts", lambda *args: None)
         with pytest.raises(ValueError, match=f"experts_implementation='{other}': MXFP4 experts on TPU need"):
             AutoModelForCausalLM.from_pretrained(path, config=module.mxfp4_checkpoint_config(path),
                                                  experts_implementation=other)
