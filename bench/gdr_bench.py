@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import sys
 import time
+import typing
 from pathlib import Path
 
 import harness  # sets up sys.path and the CPU / libtpu environment (or the TPU with --tpu)
@@ -74,7 +75,18 @@ def specs(case: Case) -> list:
     return args + [s((batch, tokens, HV, DV), jnp.bfloat16)] * (case.phase == "train")
 
 
-def ours(case: Case):
+@dataclasses.dataclass
+class Program:
+    """What a row measures: fn at `args` (abstract arrays, then the concrete index arrays its control
+    reads). profile_args: for kernels that copy their blocks themselves, all of fn's arguments
+    concrete, to count their loops and copies as they run (harness.measure_profiled)."""
+    fn: typing.Callable
+    args: list
+    profile_args: list | None = None
+    donate: tuple = ()  # arguments updated in place, as an engine keeps them (decode's states)
+
+
+def ours(case: Case, generation: str) -> Program:
     """Our kernels as a JAX user calls them: the chunked rule (prefill; its gradients for a training
     step) or the recurrent one (decode)."""
     from gated_delta_rule import ops
@@ -86,16 +98,66 @@ def ours(case: Case):
                     interpret=False)
 
     if case.phase != "train":
-        return forward
+        return Program(forward, specs(case), donate=(5,) * (case.phase == "decode"))
 
     def step(q, k, v, g, beta, h0, do):  # the loss and every gradient, as a training step needs both
         loss = lambda *args: jnp.sum(forward(*args)[0].astype(jnp.float32) * do)
         return jax.value_and_grad(loss, argnums=range(6))(q, k, v, g, beta, h0)
 
-    return step
+    return Program(step, specs(case))
 
 
-IMPLS = {"ours": ours}
+def tpu_inference_v1(case: Case, generation: str) -> Program | None:
+    """tpu-inference's `fused_gdn` (gdn v1, vLLM's TPU backend) as vLLM calls it: tokens packed
+    [T, heads, dim], per-sequence state slots, its decode kernel for one-token sequences and its
+    recurrent kernel (a token at a time) for longer ones; beta given raw (it applies the sigmoid).
+    No backward: no training row."""
+    import tpu_inference_kernels
+
+    if case.phase == "train" or not tpu_inference_kernels.installed():
+        return None
+    gdn = tpu_inference_kernels.module("kernels.gdn.v1.fused_gdn_kernel_wrapper", generation)
+    batch, tokens = case.batch_tokens
+    n, seqs = batch * tokens, case.seqs
+
+    def fn(q, k, v, g, b, state, cu_seqlens, state_indices, distribution):
+        return gdn.fused_gdn(q, k, v, cu_seqlens, g, state, state_indices, distribution, b,
+                             use_qk_l2norm_in_kernel=True)
+
+    s = jax.ShapeDtypeStruct
+    data = [s((n, HK, DK), jnp.bfloat16)] * 2 + [s((n, HV, DV), jnp.bfloat16), s((n, HV), jnp.float32),
+                                                 s((n, HV), jnp.bfloat16), s((seqs, HV, DK, DV), jnp.float32)]
+    decode_end = seqs if case.phase == "decode" else 0
+    index = [jnp.arange(seqs + 1, dtype=jnp.int32) * tokens, jnp.arange(seqs, dtype=jnp.int32),
+             jnp.array([decode_end, seqs], jnp.int32)]
+    return Program(fn, data + index, [jnp.zeros(x.shape, x.dtype) for x in data] + index, donate=(2, 5))
+
+
+def tpu_inference_v2(case: Case, generation: str) -> Program | None:
+    """tpu-inference's `recurrent_scan` (gdn v2: chunks of 128 tokens, its prefill kernel) as vLLM
+    calls it: q, k, v packed in one [T, 2 Hk dk + Hv dv] array, the gates from the layer's raw `a`
+    and `b` (it computes g and beta, and a SiLU on q, k, v, itself). Prefill only."""
+    import tpu_inference_kernels
+
+    if case.phase != "prefill" or not tpu_inference_kernels.installed():
+        return None
+    gdn = tpu_inference_kernels.module("kernels.gdn.v2.recurrent_scan_v2", generation)
+    tokens = case.size
+
+    def fn(qkv, b, a, state, a_log, dt_bias, query_start_loc, state_indices, distribution, has_initial_state):
+        return gdn.recurrent_scan(qkv, b, a, state, a_log, dt_bias, query_start_loc, state_indices, distribution,
+                                  n_kq=HK, n_v=HV, d_k=DK, d_v=DV, has_initial_state=has_initial_state)
+
+    s = jax.ShapeDtypeStruct
+    data = [s((tokens, 2 * HK * DK + HV * DV), jnp.bfloat16), s((tokens, HV), jnp.bfloat16),
+            s((tokens, HV), jnp.bfloat16), s((1, HV, DK, DV), jnp.float32), s((HV,), jnp.float32),
+            s((HV,), jnp.float32)]
+    index = [jnp.array([0, tokens], jnp.int32), jnp.array([0], jnp.int32), jnp.array([0, 1, 1], jnp.int32),
+             jnp.ones((1,), jnp.int32)]
+    return Program(fn, data + index, [jnp.zeros(x.shape, x.dtype) for x in data] + index, donate=(3,))
+
+
+IMPLS = {"ours": ours, "tpu-inference gdn v1": tpu_inference_v1, "tpu-inference gdn v2": tpu_inference_v2}
 
 
 def rule_flops(case: Case) -> int:
@@ -111,12 +173,18 @@ def floor_bytes(case: Case) -> int:
     return case.seqs * HV * DK * DV * 4 * 2 + batch * tokens * 2 * (2 * HK * DK + 2 * HV * DV)
 
 
-def measure(impl: str, case: Case, generation: str) -> dict:
+def measure(impl: str, case: Case, generation: str) -> dict | None:
+    """A row of the table, or None where the implementation has no such case."""
     row = dict(case=case.name, impl=impl, generation=generation)
     try:
-        # A decode step's states are updated in place, as an engine keeps them (donated).
-        donate = dict(donate_argnums=(5,)) if case.phase == "decode" else {}
-        m = harness.measure(IMPLS[impl](case), specs(case), generation, KERNEL_NAME, compile_options=donate)
+        program = IMPLS[impl](case, generation)
+        if program is None:
+            return None
+        options = dict(compile_options=dict(donate_argnums=program.donate))
+        if program.profile_args is None:
+            m = harness.measure(program.fn, program.args, generation, KERNEL_NAME, **options)
+        else:
+            m = harness.measure_profiled(program.fn, program.args, program.profile_args, generation, **options)[0]
     except Exception as err:  # a failed compile is a row, not the end of the run
         return row | harness.error_row(err)
     chip = GENERATIONS[generation]
@@ -128,14 +196,18 @@ def measure(impl: str, case: Case, generation: str) -> dict:
     return row
 
 
-def time_on_tpu(impl: str, case: Case, repeats: int = 20) -> dict:
-    """Wall-clock time of the same program on the TPU jax runs on (random inputs as the models make
-    them)."""
+def time_on_tpu(impl: str, case: Case, repeats: int = 20) -> dict | None:
+    """Wall-clock time of the same program on the TPU jax runs on. Its data random, at most 0 (a
+    log decay g must be; the other operands' signs do not change the time)."""
+    from runtime.generations import current_generation
+
+    program = IMPLS[impl](case, current_generation().name)
+    if program is None:
+        return None
     rng = np.random.default_rng(0)
-    args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in specs(case)]
-    args[3] = -jnp.abs(args[3])  # g: a log decay, at most 0
-    args[4] = jax.nn.sigmoid(args[4])  # beta in (0, 1)
-    fn = jax.jit(IMPLS[impl](case))
+    args = [jnp.asarray(-0.1 * np.abs(rng.standard_normal(a.shape)), a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
+            else a for a in program.args]
+    fn = jax.jit(program.fn)  # (not donating: each run reads the same arguments)
     jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     for _ in range(repeats):
@@ -194,8 +266,10 @@ def main(argv=None) -> int:
             r["case"], r["impl"], r["generation"]))
         for case in cases:
             for impl in args.impls:
-                measured.put(time_on_tpu(impl, case))
-                print(measured.rows[-1], flush=True)
+                row = time_on_tpu(impl, case)
+                if row is not None:
+                    measured.put(row)
+                    print(row, flush=True)
         return 0
     results = harness.Results(args.out / "gated_delta_rule.json", key=lambda r: (r["case"], r["impl"], r["generation"]),
                               order=row_order)
@@ -203,7 +277,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for n, (case, impl, generation) in enumerate(runs, 1):
         print(f"[{n}/{len(runs)}] {case.name} {impl} {generation} ({time.perf_counter() - start:.0f} s)", flush=True)
-        results.put(measure(impl, case, generation))
+        row = measure(impl, case, generation)
+        if row is not None:
+            results.put(row)
         write_markdown(results.rows, args.out / "gated_delta_rule.md")
     return 0
 

@@ -129,6 +129,9 @@ def pallas_calls(fn, *args, copies: list | None = None):
 def _map_points(fn, points, chunk=1 << 16):
     """jit(vmap(fn)) over the grid points, in chunks to bound memory."""
     mapped = jax.jit(jax.vmap(fn))
+    if not len(points):  # a grid with no steps (a kernel called on an empty part of the batch)
+        out = jax.eval_shape(mapped, jax.ShapeDtypeStruct(points.shape, points.dtype))
+        return np.zeros(out.shape, out.dtype)
     return np.concatenate([np.asarray(mapped(jnp.asarray(points[i:i + chunk])))
                            for i in range(0, len(points), chunk)])
 
@@ -214,7 +217,7 @@ def _trips(eqn) -> int:
 def _dots(jaxpr, times: int = 1):
     """[(dot_general eqn, how many times it runs per run of `jaxpr`)]."""
     return [(e, times) for e in jaxpr.eqns if e.primitive.name == "dot_general"] + [
-        d for e in jaxpr.eqns for sub in _branches(e) for d in _dots(sub.jaxpr, times * _trips(e))
+        d for e in jaxpr.eqns for sub in _branches(e) for d in _dots(sub, times * _trips(e))
     ]
 
 
@@ -224,16 +227,22 @@ def _dots_in_while(jaxpr) -> bool:
     for e in jaxpr.eqns:
         if e.primitive.name == "while" and _dots(e.params["body_jaxpr"].jaxpr):
             return True
-        if any(_dots_in_while(sub.jaxpr) for sub in _branches(e)):
+        if any(_dots_in_while(sub) for sub in _branches(e)):
             return True
     return False
 
 
-def _branches(eqn):
+def _branches(eqn) -> list:
+    """The jaxprs (open: only their equations are read) that `eqn` runs inside a kernel body: a
+    cond's branches, a call's body, a `run_scoped` region's (whose jaxpr closes over
+    values of the kernel, as constvars)."""
     if eqn.primitive.name == "cond":
-        return list(eqn.params["branches"])
-    sub = _sub_jaxpr(eqn)
-    return [sub] if sub is not None else []
+        return [b.jaxpr for b in eqn.params["branches"]]
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "call", "fwd_jaxpr"):
+        value = eqn.params.get(key)
+        if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+            return [getattr(value, "jaxpr", value)]
+    return []
 
 
 def _dot_flops(eqn, mxu_width):
@@ -259,7 +268,7 @@ def _work_per_step(kernel_jaxpr, when_runs, when_flops, mxu_width):
     the kernel's top-level conds run at every step, a cond body's dots at
     the steps where `_when_runs` says it runs."""
     always = [_dot_flops(e, mxu_width) for e in kernel_jaxpr.eqns if e.primitive.name == "dot_general"]
-    always += [tuple(_trips(e) * f for f in _body_flops(sub.jaxpr, mxu_width)) for e in kernel_jaxpr.eqns
+    always += [tuple(_trips(e) * f for f in _body_flops(sub, mxu_width)) for e in kernel_jaxpr.eqns
                if e.primitive.name != "cond" for sub in _branches(e)]
     padded = sum(p for p, _ in always) + when_runs @ np.array([p for p, _ in when_flops], np.int64).reshape(-1)
     unpadded = sum(u for _, u in always) + when_runs @ np.array([u for _, u in when_flops], np.int64).reshape(-1)
@@ -347,6 +356,11 @@ def xla_shape(aval) -> str:
     return f"{_XLA_DTYPES.get(name, name)}[{','.join(map(str, aval.shape))}]"
 
 
+def call_name(params) -> str:
+    """A pallas_call's name, as the walk and the profile (bench/kernel_profile.py) report it."""
+    return params.get("name") or str(params.get("metadata", ""))
+
+
 def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
     grid_mapping = eqn.params["grid_mapping"]
     if grid_mapping.num_dynamic_grid_bounds:
@@ -379,7 +393,7 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
     params = params.get("mosaic_tpu", params) if isinstance(params, dict) else params
     semantics = tuple(getattr(params, "dimension_semantics", None) or ("arbitrary",) * len(grid))
     return KernelCost(
-        name=eqn.params.get("name") or str(eqn.params.get("metadata", "")),
+        name=call_name(eqn.params),
         grid=grid,
         grid_steps=len(points),
         hbm_bytes=sum(by_operand.values()),

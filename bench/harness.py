@@ -142,6 +142,49 @@ def measure(fn, args, generation: str, kernel_name: str = "", *, compiler_option
     return model(costs, report, generation, copies, **program_options)
 
 
+def measure_profiled(fn, args, profile_args, generation: str, kernel_name: str = "", **options):
+    """`measure` for kernels whose loops run as their data says and that copy what they need
+    themselves (bench/kernel_profile.py): each kernel's control run on `profile_args` (all of fn's
+    arguments, concrete) in Pallas's TPU interpreter, its loops and branches counted as they ran and
+    the bytes its own copies moved added to its walked bytes. Returns (Measurement, [bytes each
+    kernel copied itself], [each kernel's pallas_call equation]). options: `measure`'s."""
+    import kernel_profile
+
+    costs, copies, calls = walk(fn, args, generation, with_calls=True)
+    with target_info(generation):
+        profiles = kernel_profile.profile(fn, *profile_args)
+    if [c.name for c in costs] != [p.name for p in profiles]:
+        raise RuntimeError(f"profiled {[p.name for p in profiles]}, walked {[c.name for c in costs]}")
+    own = [int(prof.dma_bytes().sum() + prof.dma_bytes(reads_hbm=False).sum()) for prof in profiles]
+    for cost, copied in zip(costs, own):
+        cost.hbm_bytes += copied
+    return measure(fn, args, generation, kernel_name, costs=costs, copies=copies, profiles=profiles, **options), own, calls
+
+
+class target_info:
+    """Within it, Pallas's `get_tpu_info` answers for the generation, while the program runs on this
+    CPU (a profile): kernels that size their blocks by the chip they run on (tpu-inference's) ask
+    it, as does jax's pipeline for those blocks' tiling."""
+
+    def __init__(self, generation: str):
+        self.generation = generation
+
+    def __enter__(self):
+        from jax._src.pallas.mosaic import tpu_info
+        from jax.experimental.pallas import tpu as pltpu
+
+        with jax.default_device(tpu_compile.device_for(self.generation)):
+            info = pltpu.get_tpu_info()
+        self.saved = [(module, module.get_tpu_info) for module in (pltpu, tpu_info)]
+        for module, _ in self.saved:
+            module.get_tpu_info = lambda *args, **kwargs: info
+        return self
+
+    def __exit__(self, *exc):
+        for module, original in self.saved:
+            module.get_tpu_info = original
+
+
 def error_row(err: Exception) -> dict:
     """A row's record of what failed: the error's first line."""
     return dict(error=str(err).splitlines()[0][:200])

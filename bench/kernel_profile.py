@@ -42,9 +42,11 @@ from jax._src.state import indexing
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+import grid_walk
 from runtime.attention_math import LANES
 
 INTERPRET = pltpu.InterpretParams()  # the TPU interpreter: SMEM persists across grid steps
+NO_LOOP_SIMPLIFIER = {"xla_disable_hlo_passes": "simplify-while-loops"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Node:
     branch: int = 0  # a branch's index in its cond (pl.when: its body is branch 1)
     empty: bool = False  # a branch with nothing in it (pl.when's branch 0): no code is laid out for it
     reads_hbm: bool = False  # a DMA's source is in HBM (memory space ANY): a fetch, else a write-back
+    unrolled: int = 1  # a loop's iterations per compiled trip (a fori_loop's `unroll`)
 
 
 @dataclasses.dataclass
@@ -85,25 +88,40 @@ class KernelProfile:
                 and len(controls) - 1 - mosaic not in holding:
             mosaic += 1
 
-        def search(j: int, at: int, matched: list[int], end: int) -> list[int] | None:
+        # A branch holding one loop and what it holds, nothing else: the guard Mosaic puts around a
+        # loop whose trip count is a value (it runs no trip when the count is 0). It may match no
+        # node: it then runs as often as what holds it.
+        guards = [c.kind == "branch" and j + 1 < len(controls) and controls[j + 1].kind == "loop"
+                  and j in holders[j + 1] and all(j + 1 in holders[k] for k in range(j + 2, len(controls)) if j in holders[k])
+                  for j, c in enumerate(controls)]
+
+        def search(j: int, at: int, matched: list, end: int) -> list | None:
             if j == end:
                 return matched if not any(self.nodes[i].kind == "loop" for i in nodes[at:]) else None
+            skipped = {m for m, i in enumerate(matched) if i is None}
             for k in range(at, len(nodes)):
                 node = self.nodes[nodes[k]]
                 if node.kind == controls[j].kind:
                     ancestors = set(self._ancestors(nodes[k]))
-                    if {m for m, i in enumerate(matched) if i in ancestors} == holders[j]:
+                    if {m for m, i in enumerate(matched) if i in ancestors} == holders[j] - skipped:
                         found = search(j + 1, k + 1, matched + [nodes[k]], end)
                         if found is not None:
                             return found
                 if node.kind == "loop":
-                    return None
-            return None
+                    break
+            return search(j + 1, at, matched + [None], end) if guards[j] else None
+
+        def runs(j: int, matched: list) -> np.ndarray:
+            if matched[j] is not None:
+                return self.counts[:, matched[j]]
+            held_by = [m for m in holders[j] if matched[m] is not None]
+            return self.counts[:, max(held_by)] if held_by else np.ones(len(self.counts), np.int64)
 
         for left in range(mosaic + 1):
             matched = search(0, 0, [], len(controls) - left)
             if matched is not None:
-                return np.concatenate([self.counts[:, matched], np.ones((len(self.counts), left), np.int64)], axis=1)
+                columns = [runs(j, matched) for j in range(len(matched))] + [np.ones(len(self.counts), np.int64)] * left
+                return np.stack(columns, axis=1) if columns else np.zeros((len(self.counts), 0), np.int64)
         return None
 
     def step_cycles(self, schedule) -> tuple[np.ndarray, bool] | None:
@@ -125,7 +143,7 @@ class KernelProfile:
 
     def dma_bytes(self, reads_hbm: bool = True) -> np.ndarray:
         """[grid steps] the bytes of the DMAs each step starts, from HBM (or to it)."""
-        chosen = np.array([n.kind == "dma" and n.reads_hbm == reads_hbm for n in self.nodes])
+        chosen = np.array([n.kind == "dma" and n.reads_hbm == reads_hbm for n in self.nodes], bool)
         return self.moved[:, chosen].sum(axis=1)
 
 
@@ -193,6 +211,12 @@ class _Instrumenter:
                 params["branches"] = tuple(branches)
             elif eqn.primitive.name == "dma_start":
                 eqns += self._dma_report(eqn, parent)
+            elif eqn.primitive.name == "scan" and _scan_unroll(params) < params["length"]:
+                # A fori_loop of static bounds, compiled as a loop (Mosaic unrolls only a whole one).
+                node = Node("loop", parent, unrolled=_scan_unroll(params))
+                params["jaxpr"] = self._reporting(params["jaxpr"], self._node(node))
+            elif eqn.primitive.name == "run_scoped":  # scratch allocated for a region: its jaxpr is open
+                params["jaxpr"] = self.rewrite(params["jaxpr"], parent)
             elif _sub_jaxprs(eqn):
                 params = {k: jcore.ClosedJaxpr(self.rewrite(v.jaxpr, parent), v.consts)
                           if isinstance(v, jcore.ClosedJaxpr) else v for k, v in params.items()}
@@ -230,7 +254,17 @@ class _Instrumenter:
             else:
                 counts[step, index] += 1
                 moved[step, index] += nbytes
-        return counts, moved
+        trips = np.array([n.unrolled for n in self.nodes], np.int64)
+        return counts // np.maximum(trips, 1), moved
+
+
+def _scan_unroll(params) -> int:
+    """A scan's iterations per compiled trip (Mosaic's reading of `unroll`: 0 or True is all)."""
+    length, unroll = params["length"], params["unroll"]
+    unroll = length if unroll is True or unroll == 0 else int(unroll)
+    if length % unroll:
+        raise NotImplementedError(f"a loop of {length} iterations unrolled by {unroll}: its remainder's trips")
+    return unroll
 
 
 _DROPPED = {"dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "delay"}  # the slice's timing-only ops
@@ -250,16 +284,37 @@ def _zeros(aval) -> jcore.Literal:
     return jcore.Literal(np.zeros(aval.shape, aval.dtype), aval)
 
 
-def _sliced(jaxpr, live_out):
+def _ref_key(aval) -> tuple:
+    return tuple(aval.shape), str(aval.dtype), _memory_space(aval)
+
+
+def _written_refs(jaxpr) -> set:
+    """The kinds (`_ref_key`) of the refs outside SMEM that the kernel writes anywhere (a store, a
+    DMA into it). Its control may read a ref of no such kind (an input block, which the pipeline
+    copies in outside the slice): that read never sees a write the slice dropped."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _STATE_WRITES:
+            found.add(_ref_key(eqn.invars[0].aval))
+        elif eqn.primitive.name == "dma_start":
+            found.add(_ref_key(jax.tree_util.tree_unflatten(eqn.params["tree"], [v.aval for v in eqn.invars])[1]))
+        for sub in [*(b.jaxpr for b in eqn.params.get("branches", ())),
+                    *(v.jaxpr if isinstance(v, jcore.ClosedJaxpr) else v for v in eqn.params.values()
+                      if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)))]:
+            found |= _written_refs(sub)
+    return {key for key in found if "smem" not in key[2]}
+
+
+def _sliced(jaxpr, live_out, written):
     """(jaxpr cut down to what its live outputs, its callbacks and its SMEM writes need, with the
     same inputs and outputs (the dead ones zeros); which inputs (constvars then invars) it reads;
-    whether it holds a callback or SMEM write)."""
+    whether it holds a callback or SMEM write). written: `_written_refs` of the kernel."""
     needed = {v for v, live in zip(jaxpr.outvars, live_out) if live and isinstance(v, jcore.Var)}
     kept, effectful = [], False
     for eqn in reversed(jaxpr.eqns):
         name = eqn.primitive.name
         wanted = [v in needed for v in eqn.outvars]
-        eqn, reads, roots = _sliced_eqn(eqn, wanted)
+        eqn, reads, roots = _sliced_eqn(eqn, wanted, written)
         if eqn is None:
             if any(wanted):
                 raise NotImplementedError(f"the kernel's control reads the result of {name}, which the slice drops")
@@ -272,8 +327,8 @@ def _sliced(jaxpr, live_out):
     return jaxpr.replace(eqns=kept[::-1], outvars=outvars), reads, effectful
 
 
-def _closed_sliced(closed, live_out):
-    inner, reads, roots = _sliced(closed.jaxpr, live_out)
+def _closed_sliced(closed, live_out, written):
+    inner, reads, roots = _sliced(closed.jaxpr, live_out, written)
     return jcore.ClosedJaxpr(inner, closed.consts), reads[len(closed.jaxpr.constvars):], roots
 
 
@@ -282,7 +337,7 @@ def _dead_to_zeros(invars, reads):
     return [v if r or not isinstance(v, jcore.Var) or _is_ref(v) else _zeros(v.aval) for v, r in zip(invars, reads)]
 
 
-def _sliced_eqn(eqn, wanted):
+def _sliced_eqn(eqn, wanted, written):
     """(the equation as the slice keeps it or None, which operands it reads, whether it is or holds a
     callback or SMEM write)."""
     name, params = eqn.primitive.name, eqn.params
@@ -296,15 +351,15 @@ def _sliced_eqn(eqn, wanted):
             return eqn, [True] * len(eqn.invars), True
         if not any(wanted):
             return None, None, False
-        if not reads_smem:
+        if not reads_smem and _ref_key(eqn.invars[0].aval) in written:
             raise NotImplementedError(f"the kernel's control reads {_memory_space(eqn.invars[0].aval)} memory, not SMEM")
         return eqn, [True] * len(eqn.invars), False
     if name == "while":
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        cond, cond_reads, cond_roots = _closed_sliced(params["cond_jaxpr"], [True])
+        cond, cond_reads, cond_roots = _closed_sliced(params["cond_jaxpr"], [True], written)
         live = [w or r for w, r in zip(wanted, cond_reads[nc:])]
         while True:
-            body, body_reads, body_roots = _closed_sliced(params["body_jaxpr"], live)
+            body, body_reads, body_roots = _closed_sliced(params["body_jaxpr"], live, written)
             grown = [l or r for l, r in zip(live, body_reads[nb:])]
             if grown == live:
                 break
@@ -318,7 +373,7 @@ def _sliced_eqn(eqn, wanted):
         nc, ncarry = params["num_consts"], params["num_carry"]
         live = list(wanted[:ncarry])
         while True:
-            body, body_reads, roots = _closed_sliced(params["jaxpr"], live + list(wanted[ncarry:]))
+            body, body_reads, roots = _closed_sliced(params["jaxpr"], live + list(wanted[ncarry:]), written)
             grown = [l or r for l, r in zip(live, body_reads[nc:nc + ncarry])]
             if grown == live:
                 break
@@ -328,7 +383,7 @@ def _sliced_eqn(eqn, wanted):
         reads = body_reads[:nc] + live + body_reads[nc + ncarry:]
         return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads), params=dict(params, jaxpr=body)), reads, roots
     if name == "cond":
-        sliced = [_closed_sliced(b, wanted) for b in params["branches"]]
+        sliced = [_closed_sliced(b, wanted, written) for b in params["branches"]]
         roots = any(r for _, _, r in sliced)
         if not (any(wanted) or roots):
             return None, None, False
@@ -336,13 +391,13 @@ def _sliced_eqn(eqn, wanted):
         return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads),
                            params=dict(params, branches=tuple(b for b, _, _ in sliced))), reads, roots
     if name == "run_scoped":
-        body, reads, roots = _sliced(params["jaxpr"], wanted)
+        body, reads, roots = _sliced(params["jaxpr"], wanted, written)
         if not (any(wanted) or roots):
             return None, None, False
         reads = reads[:len(eqn.invars)]  # its operands are the body's constvars
         return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads), params=dict(params, jaxpr=body)), reads, roots
     if name in ("pjit", "jit", "closed_call", "core_call"):
-        body, reads, roots = _closed_sliced(params["jaxpr"], wanted)
+        body, reads, roots = _closed_sliced(params["jaxpr"], wanted, written)
         if not (any(wanted) or roots):
             return None, None, False
         return eqn.replace(invars=_dead_to_zeros(eqn.invars, reads), params=dict(params, jaxpr=body)), reads, roots
@@ -372,13 +427,18 @@ def profile(fn, *args, name_contains: str = "") -> list[KernelProfile]:
             params = eqn.params
             if eqn.primitive.name == "pallas_call" and name_contains in (params.get("name") or ""):
                 instrumenter = _Instrumenter(params["grid_mapping"])
-                kernel = _sliced(instrumenter.kernel(params["jaxpr"]), [])[0]
+                kernel = instrumenter.kernel(params["jaxpr"])
+                kernel = _sliced(kernel, [], _written_refs(kernel))[0]
                 params = dict(params, jaxpr=kernel, interpret=INTERPRET)
-                outs = eqn.primitive.bind(*invals, **params)
+                run_kernel = jax.jit(lambda *operands: eqn.primitive.bind(*operands, **params))
+                # (XLA's CPU compiler, simplifying a while loop whose carry the slice left nearly empty,
+                # drops the loop's operands but not the sharding of the interpreter's callbacks, and
+                # its verifier then fails: that pass is left out.)
+                outs = run_kernel.lower(*invals).compile(NO_LOOP_SIMPLIFIER)(*invals)
                 jax.block_until_ready(outs)
                 dynamic = iter(int(np.asarray(v).reshape(-1)[0]) for v in invals)  # its dynamic bounds lead
                 grid = tuple(next(dynamic) if pallas_core.is_dynamic_dim(g) else g for g in params["grid_mapping"].grid)
-                found.append(KernelProfile(params.get("name") or "", grid, instrumenter.nodes,
+                found.append(KernelProfile(grid_walk.call_name(params), grid, instrumenter.nodes,
                                            *instrumenter.tallies(math.prod(grid))))
             elif eqn.primitive.name in ("pjit", "jit", "closed_call", "core_call"):
                 sub = params["jaxpr"]

@@ -292,25 +292,15 @@ def measure_profiled(fn, data: list, index: list, profile_args: list, shape: Att
     indices wrapped into them). kv_itemsize: the cache's bytes per element. describe(eqn, cost):
     a kernel's tiling, for the row. compile_options: `harness.compile`'s (a cache donated
     and returned in place)."""
-    import kernel_profile
-
     try:
-        args = arguments(data, index)
-        costs, copies, calls = harness.walk(fn, args, generation, with_calls=True)
-        profiles = kernel_profile.profile(fn, *profile_args)
-        if [c.name for c in costs] != [p.name for p in profiles]:
-            raise RuntimeError(f"profiled {[p.name for p in profiles]}, walked {[c.name for c in costs]}")
-        own = [int(prof.dma_bytes().sum() + prof.dma_bytes(reads_hbm=False).sum()) for prof in profiles]
-        for cost, copied in zip(costs, own):
-            cost.hbm_bytes += copied
-        m = harness.measure(fn, args, generation, kernel_name, costs=costs, copies=copies,
-                            layouts={i: spec[2] for i, spec in enumerate(data) if len(spec) > 2},
-                            compile_options=compile_options, profiles=profiles)
+        m, own, calls = harness.measure_profiled(
+            fn, arguments(data, index), profile_args, generation, kernel_name,
+            layouts={i: spec[2] for i, spec in enumerate(data) if len(spec) > 2}, compile_options=compile_options)
     except Exception as err:  # noqa: BLE001  (a row says what failed)
         return harness.error_row(err)
     row = dict(figures(m, held_bytes(shape, batch, routing, kv_itemsize)), page_copy_bytes=sum(own))
     if describe is not None:
-        row["tiling"] = " + ".join(describe(eqn, cost) for eqn, cost in zip(calls, costs))
+        row["tiling"] = " + ".join(describe(eqn, cost) for eqn, cost in zip(calls, m.costs))
     return row
 
 

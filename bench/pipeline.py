@@ -128,6 +128,10 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
     long as its own copies take (started in its loops, double-buffered there,
     they are taken to overlap its compute entirely: a lower bound)."""
     gen = GENERATIONS[generation]
+    if not cost.grid_steps:  # a grid of no steps (a kernel called on an empty part of the batch): it only enters and leaves
+        fill_drain = schedule.fill_drain_cycles / gen.clock_hz
+        return {"modeled": fill_drain, "compute": 0.0, "dma": 0.0, "fill_drain": fill_drain, "cores": 1,
+                "regions_mapped": True}
     core = core_of_step(cost.grid, cost.dimension_semantics, gen.cores_per_device)
     active = int(core.max()) + 1
     own_bytes = np.zeros(cost.grid_steps, np.int64)

@@ -14,7 +14,8 @@ def test_gdr_bench_models_decode_and_prefill_within_the_chip(tmp_path):
     other = next(r for r in json.loads((harness.BENCH / "results" / "gated_delta_rule.json").read_text())
                  if r["generation"] == "tpu7x")
     (tmp_path / "gated_delta_rule.json").write_text(json.dumps([other]))
-    assert gdr_bench.main(["--cases", "decode b64", "prefill 2k", "--generations", "v6e", "--out", str(tmp_path)]) == 0
+    assert gdr_bench.main(["--cases", "decode b64", "prefill 2k", "--generations", "v6e", "--impls", "ours",
+                           "tpu-inference gdn v1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "gated_delta_rule.json").read_text())
     assert other in rows  # a subset run loses nothing
     prefill, decode = (next(r for r in rows if r["case"] == c and r["generation"] == "v6e")
@@ -28,5 +29,25 @@ def test_gdr_bench_models_decode_and_prefill_within_the_chip(tmp_path):
     # The decode step's states are updated in place: nothing outside the kernel passes over them
     # (a pass over 64 x 32 x 128 x 128 fp32 states would take ~100 us on v6e).
     assert decode["around_us"] < 10, decode
+    # tpu-inference's fused_gdn, profiled (it copies its own blocks, its loops run as its data says):
+    # decode by its decode kernel (its recurrent kernel on no sequence: a grid of no steps), prefill
+    # by its recurrent kernel a token at a time (its loop's guard branch matched to no node).
+    anchor = {r["case"]: r for r in rows if r["impl"] == "tpu-inference gdn v1"}
+    assert set(anchor) == {"decode b64", "prefill 2k"} and all(r["compiles"] for r in anchor.values()), anchor
+    assert anchor["decode b64"]["modeled_us"] >= decode["floor_us"]
+    assert anchor["prefill 2k"]["modeled_us"] > prefill["modeled_us"]  # 2048 dependent token steps
     table = (tmp_path / "gated_delta_rule.md").read_text()
     assert "NOT measured on a TPU" in table and "| decode b64 | v6e | ours |" in table
+
+
+def test_tpu_inference_chunked_kernel_profiles():
+    """tpu-inference's gdn v2 (`recurrent_scan`) reads its block count from an input block in VMEM
+    and loops over chunks of 128 tokens: its profile (run in the TPU interpreter, XLA's while-loop
+    simplifier left out: with it XLA's verifier rejects the sliced loop) counts a trip per chunk."""
+    import kernel_profile
+
+    program = gdr_bench.tpu_inference_v2(gdr_bench.Case("prefill", 512), "v6e")
+    with harness.target_info("v6e"):
+        (p,) = kernel_profile.profile(program.fn, *program.profile_args)
+    outer = next(i for i, n in enumerate(p.nodes) if n.kind == "loop")
+    assert p.counts[:, outer].sum() == 512 // 128

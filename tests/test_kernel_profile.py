@@ -158,3 +158,65 @@ def test_profile_runs_map_onto_the_compiled_schedule():
     assert body > 0
     cycles, whole_program = p.step_cycles(schedule)
     assert cycles.tolist() == [schedule.uncontrolled_cycles + t * body for t in (2, 0, 5)] and not whole_program
+
+
+def _input_bound_kernel(trips_ref, o_ref):
+    trips = trips_ref[0, 0]  # a loop bound read from an input block in VMEM, of a kind nothing writes
+    o_ref[...] = jnp.full(o_ref.shape, jax.lax.fori_loop(0, trips, lambda i, a: a + 1.0, 0.0), o_ref.dtype)
+
+
+def test_control_read_from_an_input_block_is_kept():
+    """tpu-inference's gated delta rule reads its block count from an input block in VMEM: the
+    pipeline copies that block in, outside the slice, and nothing in the kernel writes a ref of its
+    kind, so the read is kept and the loop counted per step."""
+    call = lambda trips: pl.pallas_call(
+        _input_bound_kernel, grid=(2,), in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32), name="input_bound")(trips)
+    trips = jnp.concatenate([jnp.full((8, 128), 3, jnp.int32), jnp.full((8, 128), 6, jnp.int32)])
+    (p,) = kernel_profile.profile(call, trips)
+    (loop,) = [i for i, n in enumerate(p.nodes) if n.kind == "loop"]
+    assert p.counts[:, loop].tolist() == [3, 6]
+
+
+def _static_loops_kernel(x_ref, o_ref, buf, sem, *, unroll):
+    def body(j, acc):  # a loop of static bounds, its body a copy (a node of its own) and a sum
+        copy = pltpu.make_async_copy(x_ref.at[pl.ds(j * 8, 8)], buf, sem)
+        copy.start()
+        copy.wait()
+        return acc + buf[...]
+
+    o_ref[...] = jax.lax.fori_loop(0, 4, body, jnp.zeros(o_ref.shape, o_ref.dtype), unroll=unroll)
+
+    def scoped(scoped_buf, scoped_sem):  # a run_scoped region's copy is seen too
+        copy = pltpu.make_async_copy(x_ref.at[pl.ds(0, 8)], scoped_buf, scoped_sem)
+        copy.start()
+        copy.wait()
+        o_ref[...] += scoped_buf[...]
+
+    pl.run_scoped(scoped, pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(()))
+
+
+def _static_loops(x, unroll):
+    return pl.pallas_call(
+        functools.partial(_static_loops_kernel, unroll=unroll), out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())], name="static_loops")(x)
+
+
+@pytest.mark.parametrize("unroll, trips", [(1, 4), (2, 2), (True, None)])
+def test_static_loops_count_their_compiled_trips(unroll, trips):
+    """A fori_loop of static bounds Mosaic compiles as a loop unless unrolled whole: a loop node
+    counting its compiled trips (4 iterations unrolled by 2: 2 trips), matched to the compiled
+    kernel's loop (libtpu, v6e); unrolled whole, no loop. A copy inside pl.run_scoped is counted."""
+    import tpu_compile
+
+    x = jnp.zeros((32, 128), jnp.float32)
+    (p,) = kernel_profile.profile(lambda x: _static_loops(x, unroll), x)
+    loops = [i for i, n in enumerate(p.nodes) if n.kind == "loop"]
+    assert p.counts[:, loops].tolist() == ([[trips]] if trips else [[]])
+    assert p.dma_bytes().tolist() == [(4 + 1) * 8 * 128 * 4]  # the loop's four copies, the scoped one
+    (compiled,) = tpu_compile.compile_for(lambda x: _static_loops(x, unroll), [((32, 128), jnp.float32)], "v6e",
+                                          "static_loops").kernels.values()
+    cycles, _ = p.step_cycles(compiled.schedule)
+    assert cycles.shape == (1,) and cycles[0] > 0
