@@ -4,9 +4,12 @@ One shape: the linear-attention layer of Qwen3.5-9B, Qwen3.5-35B-A3B and Qwen3-N
 alike (16 q/k heads, 32 value heads, head dims 128; q, k, v in bf16, l2-normalised in the
 kernel, the states in fp32). Cases: prefill (one sequence of 2k, 8k or 32k tokens: the chunked
 rule's forward), a training step (8k tokens: forward and every gradient) and decode (1, 64 or
-256 sequences, a token each, each with its state: the recurrent rule). For each implementation
-and generation: whether libtpu compiles it, its VMEM, and a time modeled from the compiled
-program (bench/harness.py), with two yardsticks:
+256 sequences, a token each, each with its state: the recurrent rule). Implementations: ours,
+and tpu-inference's (vLLM's TPU backend) gated delta rule kernels as vLLM calls them: gdn v1
+(`fused_gdn`: decode, and prefill a token at a time) and gdn v2 (`recurrent_scan`: chunked
+prefill), both copying their own blocks, so modeled with their loops counted as they run
+(harness.measure_profiled). For each implementation and generation: whether libtpu compiles it,
+its VMEM, and a time modeled from the compiled program (bench/harness.py), with two yardsticks:
 
 - decode: `floor` is reading and writing each sequence's state once, plus q, k, v and o, at
   full HBM bandwidth;
@@ -232,7 +235,9 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "(16 q/k heads, 32 value heads, head dims 128; bf16 q, k, v; fp32 states). `MXU %`: the rule's",
         "matmul work over the modeled time at the chip's bf16 peak (bench/gdr_bench.py says how it is",
         "counted). `floor`: a decode step's states read and written once plus q, k, v, o, at full HBM",
-        "bandwidth.",
+        "bandwidth. tpu-inference's kernels (gdn v1, v2) copy their own blocks: modeled with their loops",
+        "counted as they run and their copies overlapping their compute entirely (a lower bound); a row",
+        "whose compiled loops the model cannot match to the kernel's says so.",
         "",
         "## Every row",
         "",

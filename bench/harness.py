@@ -151,6 +151,9 @@ def measure_profiled(fn, args, profile_args, generation: str, kernel_name: str =
     import kernel_profile
 
     costs, copies, calls = walk(fn, args, generation, with_calls=True)
+    # A jitted kernel wrapper that sizes its blocks by the chip is cached by its arguments alone:
+    # traced on this CPU for another generation before, it would come back with that one's blocks.
+    jax.clear_caches()
     with target_info(generation):
         profiles = kernel_profile.profile(fn, *profile_args)
     if [c.name for c in costs] != [p.name for p in profiles]:

@@ -336,13 +336,38 @@ def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: fl
     return _chunk_rule(config, seq, first, last, q, k, v, gb, h0)
 
 
+def _token_step(q, k, v, gb, state_in, state_out, o_ref, *, scale: float, l2norm: bool):
+    """One token of every head: the recurrence's step, S <- exp(g) S + beta k (v - S^T k)^T,
+    o = S^T q (q scaled), from the states in `state_in` to `state_out` (refs [H, dk, dv]; the same
+    one where the state stays in VMEM). q, k [Hk, dk] (value head h takes q/k head h // group),
+    v [H, dv], gb [H, 2] (g, beta); o_ref [H, dv]."""
+    q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
+    group = v.shape[0] // q.shape[0]
+    if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
+    q = q * scale
+    decay = jnp.exp(gb[:, 0:1])
+    # One token's products are matrix-vector: on the VPU, with q and k as columns (one transpose
+    # for every head), rather than single-row passes through the MXU.
+    q_cols, k_cols = q.T, k.T  # [dk, Hk]
+    for h in range(v.shape[0]):
+        state = state_in[h] * decay[h:h + 1]
+        shared = h // group
+        k_col = k_cols[:, shared:shared + 1]
+        delta = (v[h:h + 1] - jnp.sum(state * k_col, axis=0, keepdims=True)) * gb[h:h + 1, 1:2]
+        state = state + k_col * delta
+        state_out[h] = state
+        o_ref[h:h + 1] = jnp.sum(state * q_cols[:, shared:shared + 1], axis=0, keepdims=True).astype(o_ref.dtype)
+
+
 def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: per token; the call's flags
                   q_ref, k_ref, v_ref, gb_ref, h0_ref,  # inputs
                   o_ref, ht_ref,  # outputs
                   state_ref,  # scratch
                   *, scale: float, l2norm: bool):
-    """One token of every head: the recurrence's step, S <- exp(g) S + beta k (v - S^T k)^T,
-    o = S^T q (q scaled), the state in VMEM scratch from a sequence's first token to its last."""
+    """A token of every head (`_token_step`), the state in VMEM scratch from a sequence's first
+    token to its last."""
     t = pl.program_id(0)
     valid, last_seq_empty = flags_ref[0] == 1, flags_ref[1] == 1
 
@@ -350,27 +375,8 @@ def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: p
     def _():
         state_ref[...] = h0_ref[...].astype(F32)
 
-    q = q_ref[...].astype(F32)  # [Hk, dk]: value head h takes q/k head h // group
-    k = k_ref[...].astype(F32)
-    v = v_ref[...].astype(F32)  # [H, dv]
-    group = v.shape[0] // q.shape[0]
-    if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
-        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
-        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
-    q = q * scale
-    gb = gb_ref[...]  # [H, 2]: g, beta
-    decay = jnp.exp(gb[:, 0:1])
-    # One token's products are matrix-vector: on the VPU, with q and k as columns (one transpose
-    # for every head), rather than single-row passes through the MXU.
-    q_cols, k_cols = q.T, k.T  # [dk, Hk]
-    for h in range(v.shape[0]):
-        state = state_ref[h] * decay[h:h + 1]
-        shared = h // group
-        k_col = k_cols[:, shared:shared + 1]
-        delta = (v[h:h + 1] - jnp.sum(state * k_col, axis=0, keepdims=True)) * gb[h:h + 1, 1:2]
-        state = state + k_col * delta
-        state_ref[h] = state
-        o_ref[h:h + 1] = jnp.sum(state * q_cols[:, shared:shared + 1], axis=0, keepdims=True).astype(o_ref.dtype)
+    _token_step(q_ref[...], k_ref[...], v_ref[...], gb_ref[...], state_ref, state_ref, o_ref, scale=scale,
+                l2norm=l2norm)
 
     @pl.when(last_ref[t] == 1)
     def _():
@@ -381,6 +387,41 @@ def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: p
     @pl.when((seq_ref[t] < 0) & last_seq_empty)
     def _():
         ht_ref[...] = h0_ref[...]
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, gb_ref, h0_ref, o_ref, ht_ref, *, scale: float, l2norm: bool):
+    """A token of each of a block of sequences (`_token_step`), each from its state's block to the
+    new state's."""
+    for s in range(q_ref.shape[0]):
+        _token_step(q_ref[s], k_ref[s], v_ref[s], gb_ref[s], h0_ref.at[s], ht_ref.at[s], o_ref.at[s], scale=scale,
+                    l2norm=l2norm)
+
+
+@functools.partial(jax.jit, static_argnames=("seqs_per_step", "scale", "l2norm", "out_dtype", "interpret"))
+def decode_forward(q, k, v, gb, h0, *, seqs_per_step: int, scale: float, l2norm: bool, out_dtype, interpret: bool):
+    """A decode step: a token of each of B sequences, q, k [B, Hk, dk], v [B, H, dv], gb [B, H, 2]
+    fp32 (g, beta), h0 [B, H, dk, dv] fp32. A grid step takes `seqs_per_step` sequences (a divisor
+    of B), whose states' blocks are consecutive: fewer, larger copies of the same bytes. Returns
+    o [B, H, dv] (out_dtype) and the new states in h0's buffer (updated in place when h0 is
+    donated)."""
+    batch = q.shape[0]
+    heads, dk, dv = h0.shape[1:]
+    block = lambda x: pl.BlockSpec((seqs_per_step, *x.shape[1:]), lambda b: (b,) + (0,) * (x.ndim - 1))
+    state_bytes = seqs_per_step * heads * dk * dv * 4
+    kernel = functools.partial(_decode_kernel, scale=scale, l2norm=l2norm)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch // seqs_per_step,),
+        in_specs=[block(q), block(k), block(v), block(gb), block(h0)],
+        out_specs=[block(v), block(h0)],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, out_dtype), jax.ShapeDtypeStruct(h0.shape, F32)],
+        # The states' blocks, in and out, double-buffered, and room for the rest.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=4 * state_bytes + (16 << 20)),
+        input_output_aliases={4: 1},
+        interpret=interpret,
+        name="gated_delta_rule_decode",
+    )(q, k, v, gb, h0)
 
 
 @functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "out_dtype", "interpret"))

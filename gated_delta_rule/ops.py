@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._shared.generations import default_interpret
-from .kernel import chunk_forward, recurrent_forward
+from .kernel import chunk_forward, decode_forward, recurrent_forward
 
 CHUNK = 64  # tokens per chunk: fla's and transformers' reference's
 HEADS_PER_STEP = 4  # heads a grid step takes, when H allows (see kernel._chunk_kernel)
+SEQS_PER_STEP = 4  # sequences a decode grid step takes, when the batch allows (see kernel.decode_forward)
 
 
 def _shape_error(name: str, got, want: str):
@@ -190,6 +191,13 @@ def _heads_per_step(asked: int | None, heads: int, group: int) -> int:
     return asked
 
 
+def _seqs_per_step(batch: int) -> int:
+    """Sequences a decode grid step takes: the largest divisor of the batch up to SEQS_PER_STEP. (A
+    batch of one is not split by heads: modeled, four steps of a quarter of the heads take longer
+    than one, each copy's latency more than what their overlap saves.)"""
+    return max(n for n in range(1, min(batch, SEQS_PER_STEP) + 1) if batch % n == 0)
+
+
 def token_layout(cu_seqlens, tokens: int, seqs: int):
     """Per token: its sequence (-1 past the live ones), whether it is its sequence's first and last
     token, and whether it is live."""
@@ -213,6 +221,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     flags = jnp.stack([valid, cu[-1] == cu[-2]]).astype(jnp.int32)
     flat = lambda x: jnp.asarray(x).reshape(total, *x.shape[2:])
     gb = jnp.stack([flat(jnp.asarray(g, jnp.float32)), flat(jnp.asarray(beta, jnp.float32))], axis=-1)
+    if cu_seqlens is None and tokens == 1:  # a decode step: a token per sequence, several sequences a grid step
+        o, final = decode_forward(flat(q), flat(k), flat(v), gb, h0, seqs_per_step=_seqs_per_step(batch), scale=scale,
+                                  l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype, interpret=interpret)
+        return o.reshape(batch, tokens, hv, dv), (final if output_final_state else None)
     # The states come back in h0's buffer, NaN where the offsets are not valid: no pass over them here.
     o, final = recurrent_forward(seq, first, last, flags, flat(q), flat(k), flat(v), gb, h0, num_seqs=seqs,
                                  scale=scale, l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype,

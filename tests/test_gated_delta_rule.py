@@ -316,6 +316,31 @@ def test_recurrent_steps_match_the_reference(batch, tokens, hk, hv, dtype):
     assert _error(final, want_state) <= FP32_TOLERANCE
 
 
+@pytest.mark.parametrize("batch,hk,hv,dtype,seqs_per_step", [
+    (8, 1, 2, np.float32, 4),  # two steps of four sequences
+    (6, 2, 8, jnp.bfloat16, 3),  # two steps of three
+    (5, 2, 4, np.float32, 1),  # five steps of one
+])
+def test_decode_steps_take_blocks_of_sequences(batch, hk, hv, dtype, seqs_per_step):
+    """A decode step with no cu_seqlens (a token per sequence, as transformers' Qwen3.5 decodes): a
+    grid step takes a block of sequences, each updated from its own state's block; against the
+    reference, in the TPU interpreter (no races, no uninitialised reads)."""
+    assert ops._seqs_per_step(batch) == seqs_per_step
+    q, k, v, g, beta, states = _inputs(batch, 1, hk, hv, 32, 16, seed=13)
+    cast = lambda x: jnp.asarray(x, dtype)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    o, final = ops.fused_recurrent_gated_delta_rule(*(cast(x) for x in (q, k, v)), g, cast(beta), initial_state=states,
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                    interpret=params)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    as_f32 = lambda x: np.asarray(cast(x), np.float32)
+    want_o, want_state = _torch(torch_recurrent_gated_delta_rule, as_f32(q), as_f32(k), as_f32(v), g, as_f32(beta),
+                                states)
+    assert _error(o, want_o) <= (BF16_TOLERANCE if dtype == jnp.bfloat16 else FP32_TOLERANCE)
+    assert _error(final, want_state) <= FP32_TOLERANCE
+
+
 @pytest.mark.parametrize("cu", [[0, 1, 1, 4, 5], [0, 1, 1, 4, 5, 5]])
 def test_recurrent_packed_sequences_and_tokens_past_the_live_ones(cu):
     """Packed sequences (one empty, one of three tokens; then the last one empty too, whose state

@@ -79,6 +79,30 @@ def test_walk_traces_on_the_target_chip():
     assert seen and seen[-1] is not None and "7" in seen[-1].device_kind
 
 
+@jax.jit
+def _sized_by_the_chip(x):
+    """A kernel wrapper that picks its blocks by the chip it runs on (as tpu-inference's do), jitted:
+    jax caches its trace by its arguments alone."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    rows = 8 if pltpu.get_tpu_info().vmem_capacity_bytes > 100 << 20 else 16
+    return pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2), grid=(64 // rows,),
+                          in_specs=[pl.BlockSpec((rows, 128), lambda i: (i, 0))],
+                          out_specs=pl.BlockSpec((rows, 128), lambda i: (i, 0)),
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name=f"sized_{rows}")(x)
+
+
+def test_profiled_measurement_sees_each_chips_blocks():
+    """measure_profiled walks, profiles (on this CPU, the chip's answers given) and compiles the
+    same program for each generation: v6e's 128 MiB of VMEM picks 8-row blocks, tpu7x's 64 MiB 16,
+    a profile after another chip's included (jax's trace cache would hand it the other's)."""
+    x = jnp.zeros((64, 128), jnp.float32)
+    for generation, steps in (("v6e", 8), ("tpu7x", 4)):
+        m, own, calls = harness.measure_profiled(_sized_by_the_chip, [jax.ShapeDtypeStruct(x.shape, x.dtype)], [x],
+                                                 generation, "sized")
+        assert [c.grid_steps for c in m.costs] == [steps] and own == [0] and m.modeled_s > 0
+
+
 def test_error_row_keeps_the_first_line():
     row = harness.error_row(ValueError("VMEM exceeded\nmore detail"))
     assert row == {"error": "VMEM exceeded"}
