@@ -439,10 +439,14 @@ def experts_forward(
     """
     up_bias = None if up_bias is None or up_bias.size == 0 else up_bias
     down_bias = None if down_bias is None or down_bias.size == 0 else down_bias
+    up_name = "gate_up_proj" if gated else "up_proj"
+    mxfp4 = up_proj.dtype == jnp.uint8
+    if mxfp4 != (down_proj.dtype == jnp.uint8):  # the shapes below are read as MXFP4 bytes or as weights
+        raise ValueError(f"{up_name} is {up_proj.dtype} and down_proj {down_proj.dtype}: MXFP4 experts (uint8) hold "
+                         "both weights so, or neither does")
     check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up_proj.shape, down_proj.shape,
                          (0,) if up_bias is None else up_bias.shape, (0,) if down_bias is None else down_bias.shape,
-                         gated=gated, transposed=transposed, mxfp4=up_proj.dtype == jnp.uint8)
-    up_name = "gate_up_proj" if gated else "up_proj"
+                         gated=gated, transposed=transposed, mxfp4=mxfp4)
     for weights, scale, names in ((up_proj, up_scale, ("hidden_states", up_name, "up_scale")),
                                   (down_proj, down_scale, ("hidden_states", "down_proj", "down_scale"))):
         check_rhs_scale(hidden_states.dtype, weights, scale, not transposed, names)

@@ -119,6 +119,11 @@ def test_experts_forward_matches_the_dequantized_experts():
     with pytest.raises(ValueError, match=r"down_proj \(4, 32, 128\) \(MXFP4: \(4, 64, 128\) weights\) should hold "
                                          r"\(4, 96, 128\) weights"):
         ops.experts_forward(x, ids, weights, up, down[:, :32], *biases, up_scale=up_scale, down_scale=down_scale, **gate)
+    # MXFP4 bytes for one projection and weights for the other: named as such, not as a shape.
+    with pytest.raises(ValueError, match=r"gate_up_proj is uint8 and down_proj float32: MXFP4 experts \(uint8\) hold "
+                                         r"both weights so, or neither does"):
+        ops.experts_forward(x, ids, weights, up, _dequantized(down_blocks, down_scales), *biases, up_scale=up_scale,
+                            **gate)
 
 
 @pytest.mark.parametrize("change,match", [
