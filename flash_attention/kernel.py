@@ -495,14 +495,15 @@ def _dkv_kernel(step_block, step_first, q_start, q_count, lo_max, hi_min, slice_
 
 
 def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, blocks: BlockSizes, parts: int,
-             fused_dq_vmem_limit: int | None, interpret):
+             fused_dq_vmem_limit: int | None, vmem_limit: int | None, interpret):
     """(dq, dk, dv) in the inputs' layouts and dtypes. lse and di [Hkv, 1, Tq*G] f32, row_lo
     and row_hi [1, Tq*G] int32.
 
     fused_dq_vmem_limit: where a KV head's whole dq fits in VMEM, the dkv kernel accumulates
     it there too (dS^T's transpose times K: one matmul per step, where a separate dq kernel
-    recomputes S and dP, three), under this VMEM limit; None runs the separate dq kernel. With
-    parts = 2 dq is never fused: each part would hold a partial dq of the whole head.
+    recomputes S and dP, three); None runs the separate dq kernel. With parts = 2 dq is never
+    fused: each part would hold a partial dq of the whole head. vmem_limit: the separate dq
+    kernel's and the unfused dkv's (tuning.backward_vmem_limit; None: Mosaic's default).
 
     q may hold more heads than k and v (ops' dq split): consecutive heads of q then share a KV
     head, and dk and dv come per head of q, in f32 (partial sums, for ops to add up)."""
@@ -541,7 +542,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
             scratch_shapes=[pltpu.VMEM((rows_per_block, d), jnp.float32),
                             *_column_scratch(rows_per_block, jnp.float32, jnp.float32, jnp.int32, jnp.int32)],
         ),
-        compiler_params=_compiler_params("dq" in blocks.lp_kernels),
+        compiler_params=_compiler_params("dq" in blocks.lp_kernels, vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="flash_attention_dq",
     )(*_prefetch(steps, schedule.kv_start, schedule.kv_count, schedule), q, k, v, do, lse2, di, row_lo, row_hi)
@@ -574,7 +575,7 @@ def backward(q, k, v, do, lse, di, row_lo, row_hi, schedule, *, opts: Options, b
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv_dim), jnp.float32),
                             *([pltpu.VMEM((rows, d), jnp.float32)] if fuse_dq else [])],
         ),
-        compiler_params=_compiler_params("dkv" in blocks.lp_kernels, vmem_limit_bytes=fused_dq_vmem_limit),
+        compiler_params=_compiler_params("dkv" in blocks.lp_kernels, vmem_limit_bytes=fused_dq_vmem_limit or vmem_limit),
         interpret=interpret,
         name="flash_attention_dkv",
     )(*_prefetch(steps, schedule.q_start, schedule.q_count, schedule), k, v, q, do, lse2, di, row_lo, row_hi)

@@ -30,7 +30,7 @@ from ._shared.attention_math import LANES, heads_as_rows, heads_in_lanes, lanes_
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
 from .kernel import BlockSizes, Options, backward, diagonal_slices, forward, parts_for
-from .tuning import check_blocks, choose_blocks, fused_dq_split, window_span
+from .tuning import backward_vmem_limit, check_blocks, choose_blocks, fused_dq_split, window_span
 from ._paged import ops as paged_ops
 
 NO_KEY = jnp.iinfo(jnp.int32).max // 2  # row_lo of a query that sees nothing
@@ -156,6 +156,7 @@ class _Static:
     right: int
     parts: int  # each KV head's grid steps split over a megacore's two cores (2) or not (1); see kernel.py
     fused_dq_vmem_limit: int | None  # see kernel.backward
+    backward_vmem_limit: int | None  # see kernel.backward
     dq_split: int  # the backward runs each KV head's query heads in this many groups (tuning.fused_dq_split)
     interpret: object
 
@@ -210,7 +211,7 @@ def _backward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, out, lse, grad_out, st
     dq, dk, dv = backward(heads_as_rows(q, groups, num_q), _heads_major(k, num_k), _heads_major(v, num_k), do_rows,
                           lse, di, row_lo, row_hi, schedule, opts=dataclasses.replace(st.opts, groups=groups),
                           blocks=st.blocks, parts=st.parts, fused_dq_vmem_limit=st.fused_dq_vmem_limit,
-                          interpret=st.interpret)
+                          vmem_limit=st.backward_vmem_limit, interpret=st.interpret)
     if split > 1:  # each group's partial (f32), summed
         dk, dv = (g.reshape(k.shape[1], split, num_k, -1).sum(1).astype(x.dtype) for g, x in ((dk, k), (dv, v)))
     dk = dk.transpose(1, 0, 2)[: k.shape[0]]
@@ -267,7 +268,9 @@ def _static(q, k, v, softmax_scale, causal, window_size, softcap, sinks, blocks,
     split, fused = (1, None) if parts > 1 else fused_dq_split(rows, d, v.shape[2], jnp.dtype(q.dtype).itemsize,
                                                               blocks, groups, generation)
     return _Static(Options(scale=scale, softcap=float(softcap), has_sinks=sinks is not None, groups=groups),
-                   blocks, bool(causal), int(left), int(right), parts, fused, split, interpret)
+                   blocks, bool(causal), int(left), int(right), parts, fused,
+                   backward_vmem_limit(d, v.shape[2], jnp.dtype(q.dtype).itemsize, blocks, groups // split, generation),
+                   split, interpret)
 
 
 def _offsets_valid(q, k, cu_seqlens_q, cu_seqlens_k, num_tokens):

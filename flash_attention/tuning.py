@@ -73,13 +73,31 @@ def fused_dq_vmem_limit(rows: int, head_dim: int, value_dim: int, itemsize: int,
     own use (a few f32 score blocks, its double-buffered input blocks, its accumulators). Head
     dims count as VMEM holds them, padded to whole lanes (gpt-oss-20b's 64 take 128: unpadded,
     its 8k training step was fused on tpu7x and did not fit)."""
+    dq = rows * round_up(head_dim, LANES) * (4 + itemsize)
+    vmem = GENERATIONS[generation].vmem_bytes
+    fits = dq + _dkv_vmem(head_dim, value_dim, itemsize, blocks, groups) <= FUSED_DQ_FRACTION * vmem
+    return int(0.9 * vmem) if fits else None
+
+
+def _dkv_vmem(head_dim: int, value_dim: int, itemsize: int, blocks: BlockSizes, groups: int) -> int:
+    """The dkv kernel's VMEM, estimated: a few f32 score blocks, its double-buffered input blocks, its
+    accumulators (head dims padded to whole lanes, as VMEM holds them). Gemma-2-9B's 32k training
+    step on tpu7x (head_dim 256, 1024 x 1024 blocks): 33.6 MB estimated, 33.8 MiB compiled."""
     rows_per_block, keys = blocks.block_q * groups, blocks.block_k
     head_dim, value_dim = round_up(head_dim, LANES), round_up(value_dim, LANES)
-    dq = rows * head_dim * (4 + itemsize)
-    own = (3 * rows_per_block * keys * 4 + 2 * (rows_per_block + keys) * (head_dim + value_dim) * itemsize
-           + keys * (head_dim + value_dim) * 4)
-    vmem = GENERATIONS[generation].vmem_bytes
-    return int(0.9 * vmem) if dq + own <= FUSED_DQ_FRACTION * vmem else None
+    return (3 * rows_per_block * keys * 4 + 2 * (rows_per_block + keys) * (head_dim + value_dim) * itemsize
+            + keys * (head_dim + value_dim) * 4)
+
+
+def backward_vmem_limit(head_dim: int, value_dim: int, itemsize: int, blocks: BlockSizes, groups: int,
+                        generation: str) -> int | None:
+    """The VMEM limit of the backward's kernels where dq is not fused (kernel.backward): most of the
+    chip's where dkv's estimate nears Mosaic's default limit, else None (the default). Raising it
+    where it is not needed changes the compiled code (MODELED on tpu7x, gpt-oss-20b's 8k training
+    step: 11% slower)."""
+    gen = GENERATIONS[generation]
+    near = _dkv_vmem(head_dim, value_dim, itemsize, blocks, groups) > 0.8 * gen.scoped_vmem_default
+    return int(0.9 * gen.vmem_bytes) if near else None
 
 
 # A group of query heads the backward runs apart (fused_dq_split) holds at least this many rows per

@@ -241,3 +241,12 @@ def test_tokamax_scheduler_choice_reaches_its_kernel(experimental_scheduler, mon
         text = jax.jit(fn).lower(*specs).as_text()
     flags = re.findall(r"XLA_TPU_FORCE_LP_LLO_SCHEDULER\\22, \\22value\\22: \{\\22boolean_value\\22: (\w+)", text)
     assert flags == [str(experimental_scheduler).lower()]
+
+
+def test_unfused_backward_raises_the_vmem_limit_only_where_dkv_needs_it():
+    """Where dq is not fused, the backward's kernels keep Mosaic's default VMEM limit unless dkv's
+    estimate nears it: Gemma-2-9B's 32k training step on tpu7x (head_dim 256, 1024 x 1024 blocks,
+    dkv compiled at 34 MiB) gets most of the chip's; gpt-oss-20b's (128 x 128 blocks) keeps the
+    default, where a raised limit compiled slower code."""
+    assert tuning.backward_vmem_limit(256, 256, 2, BlockSizes(1024, 1024), 2, "tpu7x") == int(0.9 * 64 * 2**20)
+    assert tuning.backward_vmem_limit(64, 64, 2, BlockSizes(128, 128), 8, "tpu7x") is None
