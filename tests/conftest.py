@@ -75,3 +75,23 @@ def _free_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+# Left to itself, transformers' continuous batching sizes its cache by the device's free memory,
+# here the host's, shared by both test workers: one generate_batch took 14 GiB and a full run ran
+# out of the machine's 24 GiB. The tests' models are tiny: they get a cache sized for 2 GiB.
+TEST_CACHE_BUDGET = 2 << 30
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _continuous_batching_within_budget():
+    from transformers.generation.continuous_batching import cache
+
+    real = cache.get_device_and_memory_breakdown
+
+    def within_budget():  # (device, total, reserved, allocated)
+        return real()[0], TEST_CACHE_BUDGET, 0, 0
+
+    cache.get_device_and_memory_breakdown = within_budget
+    yield
+    cache.get_device_and_memory_breakdown = real
