@@ -66,8 +66,8 @@ def device_branch(monkeypatch):
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """After each test module, jax's compiled programs and traces are dropped: a worker that runs
-    dozens of modules would otherwise keep every one (a full `make test` once saw a worker reach
-    14 GiB and the machine's 24 GiB killed it). Later modules compile what they need."""
+    dozens of modules would otherwise keep every one, next to the other worker, in the machine's
+    24 GiB. Later modules compile what they need."""
     yield
     import gc
 
