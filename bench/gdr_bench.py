@@ -81,12 +81,15 @@ def specs(case: Case) -> list:
 @dataclasses.dataclass
 class Program:
     """What a row measures: fn at `args` (abstract arrays, then the concrete index arrays its control
-    reads). profile_args: for kernels that copy their blocks themselves, all of fn's arguments
-    concrete, to count their loops and copies as they run (harness.measure_profiled)."""
+    reads). profiled: its kernels copy their blocks themselves, so their loops and copies are
+    counted as they run on the arguments, the arrays zeros (harness.measure_profiled)."""
     fn: typing.Callable
     args: list
-    profile_args: list | None = None
+    profiled: bool = False
     donate: tuple = ()  # arguments updated in place, as an engine keeps them (decode's states)
+
+    def concrete_args(self) -> list:
+        return [jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a for a in self.args]
 
 
 def ours(case: Case, generation: str) -> Program:
@@ -133,7 +136,7 @@ def tpu_inference_v1(case: Case, generation: str) -> Program | None:
     decode_end = seqs if case.phase == "decode" else 0
     index = [jnp.arange(seqs + 1, dtype=jnp.int32) * tokens, jnp.arange(seqs, dtype=jnp.int32),
              jnp.array([decode_end, seqs], jnp.int32)]
-    return Program(fn, data + index, [jnp.zeros(x.shape, x.dtype) for x in data] + index, donate=(2, 5))
+    return Program(fn, data + index, profiled=True, donate=(2, 5))
 
 
 def tpu_inference_v2(case: Case, generation: str) -> Program | None:
@@ -157,7 +160,7 @@ def tpu_inference_v2(case: Case, generation: str) -> Program | None:
             s((HV,), jnp.float32)]
     index = [jnp.array([0, tokens], jnp.int32), jnp.array([0], jnp.int32), jnp.array([0, 1, 1], jnp.int32),
              jnp.ones((1,), jnp.int32)]
-    return Program(fn, data + index, [jnp.zeros(x.shape, x.dtype) for x in data] + index, donate=(3,))
+    return Program(fn, data + index, profiled=True, donate=(3,))
 
 
 IMPLS = {"ours": ours, "tpu-inference gdn v1": tpu_inference_v1, "tpu-inference gdn v2": tpu_inference_v2}
@@ -184,10 +187,10 @@ def measure(impl: str, case: Case, generation: str) -> dict | None:
         if program is None:
             return None
         options = dict(compile_options=dict(donate_argnums=program.donate))
-        if program.profile_args is None:
-            m = harness.measure(program.fn, program.args, generation, KERNEL_NAME, **options)
+        if program.profiled:
+            m = harness.measure_profiled(program.fn, program.args, program.concrete_args(), generation, **options)[0]
         else:
-            m = harness.measure_profiled(program.fn, program.args, program.profile_args, generation, **options)[0]
+            m = harness.measure(program.fn, program.args, generation, KERNEL_NAME, **options)
     except Exception as err:  # a failed compile is a row, not the end of the run
         return row | harness.error_row(err)
     chip = GENERATIONS[generation]

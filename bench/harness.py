@@ -18,6 +18,7 @@ programs, shapes and candidates. On a TPU, `bench.py --tpu` times real runs inst
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -164,27 +165,23 @@ def measure_profiled(fn, args, profile_args, generation: str, kernel_name: str =
     return measure(fn, args, generation, kernel_name, costs=costs, copies=copies, profiles=profiles, **options), own, calls
 
 
-class target_info:
+@contextlib.contextmanager
+def target_info(generation: str):
     """Within it, Pallas's `get_tpu_info` answers for the generation, while the program runs on this
     CPU (a profile): kernels that size their blocks by the chip they run on (tpu-inference's) ask
     it, as does jax's pipeline for those blocks' tiling."""
+    from jax._src.pallas.mosaic import tpu_info
+    from jax.experimental.pallas import tpu as pltpu
 
-    def __init__(self, generation: str):
-        self.generation = generation
-
-    def __enter__(self):
-        from jax._src.pallas.mosaic import tpu_info
-        from jax.experimental.pallas import tpu as pltpu
-
-        with jax.default_device(tpu_compile.device_for(self.generation)):
-            info = pltpu.get_tpu_info()
-        self.saved = [(module, module.get_tpu_info) for module in (pltpu, tpu_info)]
-        for module, _ in self.saved:
-            module.get_tpu_info = lambda *args, **kwargs: info
-        return self
-
-    def __exit__(self, *exc):
-        for module, original in self.saved:
+    with jax.default_device(tpu_compile.device_for(generation)):
+        info = pltpu.get_tpu_info()
+    saved = [(module, module.get_tpu_info) for module in (pltpu, tpu_info)]
+    for module, _ in saved:
+        module.get_tpu_info = lambda *args, **kwargs: info
+    try:
+        yield
+    finally:
+        for module, original in saved:
             module.get_tpu_info = original
 
 

@@ -48,6 +48,6 @@ def test_tpu_inference_chunked_kernel_profiles():
 
     program = gdr_bench.tpu_inference_v2(gdr_bench.Case("prefill", 512), "v6e")
     with harness.target_info("v6e"):
-        (p,) = kernel_profile.profile(program.fn, *program.profile_args)
+        (p,) = kernel_profile.profile(program.fn, *program.concrete_args())
     outer = next(i for i, n in enumerate(p.nodes) if n.kind == "loop")
     assert p.counts[:, outer].sum() == 512 // 128
