@@ -31,8 +31,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 SCALE_BLOCK = 128  # block-scaled weights (FineGrainedFP8's weight_scale_inv): a scale per 128 x 128 block
 MX_BLOCK = 32  # MXFP4 (OCP microscaling, gpt-oss's experts): a power-of-two scale per 32 weights along K
-MXFP4_CHUNK = 256  # byte rows (512 of K) the kernel decodes and multiplies at a time
+PACKED_CHUNK = 256  # byte rows (512 of K) of 4-bit weights the kernel decodes and multiplies at a time
 MXFP4_PLANE_SCALE = 64.0  # mxfp4_planes' values are the weights' 2^-6: the products multiply by 2^6
+INT4_GROUPS = (32, 64, 128, 256, 512)  # int4 weights: K rows per float32 scale (each divides PACKED_CHUNK's 512)
 
 
 def mxfp4_planes(packed, scales, dtype):
@@ -56,6 +57,26 @@ def mxfp4_planes(packed, scales, dtype):
     factor = factor.astype(dtype)
     widen = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(dtype) * factor
     return widen(lo), widen(hi)
+
+
+def int4_planes(packed, scales, dtype, group: int):
+    """int4 weights as two planes in `dtype`: packed uint8 [R, C] holds two two's-complement 4-bit
+    codes per byte, the low nibble K row 2r and the high nibble row 2r + 1; scales float32
+    [cdiv(R, group // 2), C], one per `group` K rows. Returns (lo, hi) [R, C]: code x scale,
+    computed in `dtype` (in bf16 the scale is rounded to bf16, then the product: a weight within
+    2^-8 of its value, as a model dequantized to bf16 holds it).
+
+    The nibbles are sign-extended by shifts of the bytes read as int8 (the low one moved up first),
+    then widened as int8 weights are: on v6e this decodes about four times faster than MXFP4's
+    path through fp8, which Mosaic widens in many vector ops."""
+    rows, cols = packed.shape
+    signed = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.int8)
+    lo = (signed(packed << 4) >> 4).astype(dtype)
+    hi = (signed(packed) >> 4).astype(dtype)
+    half = group // 2
+    factor = jnp.broadcast_to(scales[:, None, :], (scales.shape[0], half, cols)).reshape(-1, cols)[:rows]
+    factor = factor.astype(dtype)
+    return lo * factor, hi * factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,16 +160,17 @@ def _kernel(
     row_start, row_end, visit_group, visit_tile, weight_group, num_visits, fill_nan,
     lhs_ref, rhs_ref, *refs,
     num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool, has_scale: bool,
-    has_block_scale: bool, mxfp4: bool,
+    has_block_scale: bool, packed: bool, int4_group: int,
 ):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     scale_ref = refs.pop(0) if has_scale else None
     block_scale_ref = refs.pop(0) if has_block_scale else None
-    # MXFP4: lhs_ref holds lhs's even columns, lhs_odd_ref its odd ones (the low and high nibbles' K rows);
-    # lhs's gradient (transpose_rhs) reads lhs whole
-    lhs_odd_ref = refs.pop(0) if mxfp4 and not transpose_rhs else None
-    mx_scale_ref = refs.pop(0) if mxfp4 else None
+    # 4-bit weights (packed: MXFP4, or int4 with int4_group K rows per scale): lhs_ref holds lhs's even
+    # columns, lhs_odd_ref its odd ones (the low and high nibbles' K rows); lhs's gradient
+    # (transpose_rhs) reads lhs whole
+    lhs_odd_ref = refs.pop(0) if packed and not transpose_rhs else None
+    packed_scale_ref = refs.pop(0) if packed else None
     out_ref, acc_ref = refs[0], (refs[1] if len(refs) > 1 else None)
     nn, v, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_steps = pl.num_programs(2)
@@ -157,18 +179,23 @@ def _kernel(
     contract_rhs = 1 if transpose_rhs else 0
     block_m, block_k = lhs_ref.shape
 
-    def mxfp4_product(last: bool):
+    if int4_group:
+        planes, half, plane_scale = functools.partial(int4_planes, group=int4_group), int4_group // 2, 1.0
+    else:
+        planes, half, plane_scale = mxfp4_planes, MX_BLOCK // 2, MXFP4_PLANE_SCALE
+    packed_scales = lambda: packed_scale_ref[...] if int4_group else packed_scale_ref[...].astype(jnp.int32)
+
+    def packed_product(last: bool):
         """lhs's even columns times the low nibbles' plane plus its odd columns times the high ones',
-        MXFP4_CHUNK byte rows at a time (the planes' temporaries stay that small in VMEM)."""
+        PACKED_CHUNK byte rows at a time (the planes' temporaries stay that small in VMEM)."""
         rows = rhs_ref.shape[0]
         valid = k_size % (2 * block_k) // 2 if last and k_size % (2 * block_k) else rows  # the last K block's overhang
         lhs_even, lhs_odd = lhs_ref[...], lhs_odd_ref[...]
-        scales = mx_scale_ref[...].astype(jnp.int32)
+        scales = packed_scales()
         total = None
-        for start in range(0, min(rows, valid), MXFP4_CHUNK):
-            end = min(start + MXFP4_CHUNK, rows)
-            half = MX_BLOCK // 2
-            lo, hi = mxfp4_planes(rhs_ref[start:end, :], scales[start // half:-(-end // half)], lhs_ref.dtype)
+        for start in range(0, min(rows, valid), PACKED_CHUNK):
+            end = min(start + PACKED_CHUNK, rows)
+            lo, hi = planes(rhs_ref[start:end, :], scales[start // half:-(-end // half)], lhs_ref.dtype)
             a, b = lhs_even[:, start:end], lhs_odd[:, start:end]
             if end > valid:  # zero the overhang in both operands: past K, either may hold anything
                 a, b = (jnp.where(start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < valid, x, 0) for x in (a, b))
@@ -177,32 +204,33 @@ def _kernel(
             dot = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
             part = dot(a, lo) + dot(b, hi)
             total = part if total is None else total + part
-        return total * MXFP4_PLANE_SCALE
+        return total * plane_scale if plane_scale != 1 else total
 
-    def mxfp4_transposed_product(last: bool):
-        """lhs's gradient through MXFP4 weights [pairs, N] (contracting N, their minor dim): the
+    def packed_transposed_product(last: bool):
+        """lhs's gradient through 4-bit weights [pairs, N] (contracting N, their minor dim): the
         low nibbles' plane gives the even output columns, the high the odd; a block's output holds
         its even columns then its odd ones (the caller interleaves them)."""
         lhs = lhs_ref[...]
         valid = k_size % block_k if last and k_size % block_k else block_k  # the last N block's overhang
         if valid < block_k:
             lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)
-        scales = mx_scale_ref[...].astype(jnp.int32)
-        rows, half = rhs_ref.shape[0], MX_BLOCK // 2
+        scales = packed_scales()
+        rows = rhs_ref.shape[0]
         even, odd = [], []
-        for start in range(0, rows, MXFP4_CHUNK):
-            end = min(start + MXFP4_CHUNK, rows)
-            planes = mxfp4_planes(rhs_ref[start:end, :], scales[start // half:-(-end // half)], lhs_ref.dtype)
-            for out, plane in zip((even, odd), planes):
+        for start in range(0, rows, PACKED_CHUNK):
+            end = min(start + PACKED_CHUNK, rows)
+            chunk = planes(rhs_ref[start:end, :], scales[start // half:-(-end // half)], lhs_ref.dtype)
+            for out, plane in zip((even, odd), chunk):
                 if valid < block_k:
                     plane = jnp.where(jax.lax.broadcasted_iota(jnp.int32, plane.shape, 1) < valid, plane, 0)
                 out.append(jax.lax.dot_general(lhs, plane, (((1,), (1,)), ((), ())),
                                                preferred_element_type=jnp.float32, precision=precision))
-        return jnp.concatenate(even + odd, axis=1) * MXFP4_PLANE_SCALE
+        both = jnp.concatenate(even + odd, axis=1)
+        return both * plane_scale if plane_scale != 1 else both
 
     def product(last: bool):
-        if mxfp4:
-            return mxfp4_transposed_product(last) if transpose_rhs else mxfp4_product(last)
+        if packed:
+            return packed_transposed_product(last) if transpose_rhs else packed_product(last)
         lhs, rhs = lhs_ref[...], rhs_ref[...]
         if rhs.dtype.itemsize == 1:  # quantized weights (int8, fp8) widen to lhs's dtype in VMEM, exactly;
             rhs = rhs.astype(lhs.dtype)  # their scale multiplies the fp32 product at the store, or (lhs's
@@ -290,7 +318,7 @@ def grouped_matmul(
     fill_nan: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
     rhs_block_scale: jax.Array | None = None,
-    rhs_mx_scale: jax.Array | None = None,
+    rhs_packed_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The pallas_call. lhs rows must already be a multiple of block_m; K
     and N blocks need not divide K and N (edge blocks are masked or clipped).
@@ -300,11 +328,13 @@ def grouped_matmul(
     rhs_block_scale: float32 [G, cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)] or
     None: rhs times its SCALE_BLOCK x SCALE_BLOCK block's scale is the weight
     (block_k a multiple of SCALE_BLOCK, or all of K).
-    rhs_mx_scale: uint8 [G, K / MX_BLOCK, N] or None: rhs is MXFP4, uint8 [G, K / 2, N] with two fp4
-    e2m1 codes per byte (see `mxfp4_planes`), and these its e8m0 scales; block_k all of K or a
-    multiple of 1024, so the scales' blocks are whole uint8 tiles. With transpose_rhs (lhs's
+    rhs_packed_scale: None, or rhs holds 4-bit weights, uint8 [G, K / 2, N] with two codes per byte
+    along K, and these are their scales: uint8 [G, K / MX_BLOCK (or more rows), N], MXFP4's e8m0
+    exponents (fp4 e2m1 codes, see `mxfp4_planes`); or float32 [G, K / group, N], int4 codes with
+    a scale per `group` K rows (one of INT4_GROUPS, see `int4_planes`). block_k all of K or a
+    multiple of `packed_k_step`, so the scales' blocks are whole tiles. With transpose_rhs (lhs's
     gradient, lhs [M, N]) the output is [M, K], its columns in pairs: block_n counts pairs, all of
-    them or a multiple of 512.
+    them or a multiple of half a K step.
     fill_nan: a bool scalar on the device, or None (False): the rows past the
     groups are NaN instead of zero (how callers report invalid group sizes
     without a pass over any array: they pass all sizes zero).
@@ -317,10 +347,14 @@ def grouped_matmul(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
     assert m % bm == 0, (lhs.shape, blocks)
-    mxfp4 = rhs_mx_scale is not None
-    assert not mxfp4 or (bn >= n or bn % 512 == 0 if transpose_rhs else k % MX_BLOCK == 0 and (bk >= k or bk % 1024 == 0)), \
-        (rhs.shape, blocks)
-    out_cols = 2 * bn if mxfp4 and transpose_rhs else bn  # lhs's gradient: a block's even columns, then its odd
+    packed = rhs_packed_scale is not None
+    int4_group = 0
+    if packed:
+        int4_group = 0 if rhs_packed_scale.dtype == jnp.uint8 else 2 * rhs.shape[1] // rhs_packed_scale.shape[1]
+        group, step = int4_group or MX_BLOCK, packed_k_step(rhs_packed_scale.dtype, int4_group)
+        assert (bn >= n or bn % (step // 2) == 0 if transpose_rhs else k % group == 0 and (bk >= k or bk % step == 0)), \
+            (rhs.shape, rhs_packed_scale.shape, blocks)
+    out_cols = 2 * bn if packed and transpose_rhs else bn  # lhs's gradient: a block's even columns, then its odd
     k_steps = pl.cdiv(k, bk)
     fill_flag = jnp.zeros((1,), jnp.int32) if fill_nan is None else jnp.asarray(fill_nan, jnp.int32).reshape(1)
     visits = make_visits(group_sizes, m, bm)
@@ -352,7 +386,7 @@ def grouped_matmul(
     rhs_block = (None, bn, bk) if transpose_rhs else (None, bk, bn)
     in_specs = [pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
     operands = [lhs, rhs]
-    if mxfp4 and not transpose_rhs:  # K in pairs: a K block is bk / 2 bytes of rhs and bk / 2 of each of lhs's halves
+    if packed and not transpose_rhs:  # K in pairs: a K block is bk / 2 bytes of rhs and bk / 2 of each of lhs's halves
         bk = min(bk, k)
         in_specs = [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, bk // 2, bn), rhs_map)]
         operands = [lhs[:, 0::2], rhs]
@@ -364,18 +398,18 @@ def grouped_matmul(
         assert bk % SCALE_BLOCK == 0 or k_steps == 1, blocks
         in_specs.append(pl.BlockSpec((None, *rhs_block_scale.shape[1:]), per_group_map))
         operands.append(rhs_block_scale)
-    if mxfp4 and transpose_rhs:  # lhs's gradient: a block of pairs takes a sixteenth as many scale rows
-        scale_rows = rhs_mx_scale.shape[1] if bn >= n else bn // (MX_BLOCK // 2)
+    if packed and transpose_rhs:  # lhs's gradient: a block of pairs takes a scale row per group / 2 pairs
+        scale_rows = rhs_packed_scale.shape[1] if bn >= n else bn // (group // 2)
         in_specs.append(pl.BlockSpec((None, scale_rows, bk), rhs_map))
-        operands.append(rhs_mx_scale)
-    elif mxfp4:
-        scale_rows = rhs_mx_scale.shape[1] if bk >= k else bk // MX_BLOCK  # one K step: all (padded) rows
+        operands.append(rhs_packed_scale)
+    elif packed:
+        scale_rows = rhs_packed_scale.shape[1] if bk >= k else bk // group  # one K step: all (padded) rows
         in_specs += [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, scale_rows, bn), rhs_map)]
-        operands += [lhs[:, 1::2], rhs_mx_scale]
+        operands += [lhs[:, 1::2], rhs_packed_scale]
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
-    width = 2 * n if out_cols != bn else n  # output columns (lhs's gradient through MXFP4: two per pair)
+    width = 2 * n if out_cols != bn else n  # output columns (lhs's gradient through 4-bit weights: two per pair)
     flops = 2 * m * k * width  # upper bound: every row once
-    scale_bytes = 0 if rhs_mx_scale is None else rhs_mx_scale.size
+    scale_bytes = 0 if rhs_packed_scale is None else rhs_packed_scale.size * rhs_packed_scale.dtype.itemsize
     cost = pl.CostEstimate(
         flops=flops,
         transcendentals=0,
@@ -387,7 +421,7 @@ def grouped_matmul(
         functools.partial(
             _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k,
             has_bias=bias is not None, has_scale=rhs_scale is not None, has_block_scale=rhs_block_scale is not None,
-            mxfp4=mxfp4,
+            packed=packed, int4_group=int4_group,
         ),
         out_shape=jax.ShapeDtypeStruct((m, n if out_cols == bn else n_blocks * out_cols), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -409,9 +443,15 @@ def grouped_matmul(
     )(*prefetch, *operands)
     if out_cols == bn:
         return out
-    # lhs's gradient through MXFP4 weights: each block's even columns then odd ones, interleaved
+    # lhs's gradient through 4-bit weights: each block's even columns then odd ones, interleaved
     out = out.reshape(m, n_blocks, 2, bn).swapaxes(2, 3).reshape(m, n_blocks * bn * 2)
     return out[:, :2 * n]
+
+
+def packed_k_step(scale_dtype, int4_group: int) -> int:
+    """The K step of 4-bit weights whose scales' blocks are whole tiles (32 rows of uint8, 8 of
+    float32): 1024 for MXFP4 (a scale per 32), 8 groups for int4."""
+    return 32 * MX_BLOCK if jnp.dtype(scale_dtype) == jnp.uint8 else 8 * int4_group
 
 
 def vmem_bytes(blocks: BlockSizes, itemsize: int, out_dtype) -> int:

@@ -16,7 +16,8 @@ from jax.experimental.layout import Layout
 
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
-from .kernel import MX_BLOCK, MXFP4_CHUNK, SCALE_BLOCK, grouped_matmul, transposed_grouped_matmul
+from .kernel import (INT4_GROUPS, MX_BLOCK, PACKED_CHUNK, SCALE_BLOCK, grouped_matmul, packed_k_step,
+                     transposed_grouped_matmul)
 from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
 
 
@@ -32,30 +33,31 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    mxfp4 = rhs.dtype == jnp.uint8
+    packed = rhs.dtype == jnp.uint8  # 4-bit weights, two per byte along K: MXFP4 or int4
     if m == 0:
-        return jnp.zeros((0, 2 * n if mxfp4 and transpose_rhs else n), lhs.dtype)
+        return jnp.zeros((0, 2 * n if packed and transpose_rhs else n), lhs.dtype)
     itemsize = jnp.dtype(lhs.dtype).itemsize
     given = blocks is not None
     blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs,
                                      weight_itemsize=rhs.dtype.itemsize)
     buffers = forward_buffers(blocks, itemsize)
-    if mxfp4 and transpose_rhs:
+    if packed and transpose_rhs:
         # lhs's gradient: N contracted, output columns in pairs of K (n counts pairs); pairs whole up
-        # to half MXFP4_MAX_BLOCK_K, else steps of it (its scales' block whole uint8 tiles)
-        half = MXFP4_MAX_BLOCK_K // 2
+        # to half PACKED_MAX_BLOCK_K, else steps of it (its scales' block whole tiles)
+        half = PACKED_MAX_BLOCK_K // 2
         blocks = dataclasses.replace(blocks, block_n=n if n <= half else half)
         buffers = forward_buffers(dataclasses.replace(blocks, block_n=2 * blocks.block_n), itemsize) \
-            + 8 * MXFP4_CHUNK * blocks.block_k * 4
-    elif mxfp4:
-        # K whole up to MXFP4_MAX_BLOCK_K (its scales' block is then all of K / 32), else steps of it;
-        # the buffers as for weights of lhs's dtype, plus one chunk's decoding temporaries.
+            + 8 * PACKED_CHUNK * blocks.block_k * 4
+    elif packed:
+        # K whole up to PACKED_MAX_BLOCK_K (its scales' block is then all their rows), else steps of
+        # it; the buffers as for weights of lhs's dtype, plus one chunk's decoding temporaries.
+        step = packed_k_step(rhs_scale.dtype, 0 if rhs_scale.dtype == jnp.uint8 else k // rhs_scale.shape[1])
         if not given:
-            blocks = dataclasses.replace(blocks, block_k=k if k <= MXFP4_MAX_BLOCK_K else MXFP4_MAX_BLOCK_K)
-        elif blocks.block_k < k and blocks.block_k % 1024:
-            raise ValueError(f"blocks.block_k is {blocks.block_k}: with MXFP4 weights all of K ({k}) or a "
-                             "multiple of 1024 (whole uint8 tiles of exponents)")
-        buffers = forward_buffers(blocks, itemsize) + 8 * MXFP4_CHUNK * blocks.block_n * 4
+            blocks = dataclasses.replace(blocks, block_k=k if k <= PACKED_MAX_BLOCK_K else PACKED_MAX_BLOCK_K)
+        elif blocks.block_k < k and blocks.block_k % step:
+            raise ValueError(f"blocks.block_k is {blocks.block_k}: with 4-bit weights all of K ({k}) or a "
+                             f"multiple of {step} (whole tiles of their scales)")
+        buffers = forward_buffers(blocks, itemsize) + 8 * PACKED_CHUNK * blocks.block_n * 4
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
     per_channel = rhs_scale is not None and rhs_scale.ndim == 2
@@ -63,13 +65,13 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
         lhs_padded, rhs, group_sizes.astype(jnp.int32), blocks=blocks, transpose_rhs=transpose_rhs,
         out_dtype=lhs.dtype, vmem_limit=vmem_limit(buffers, generation), interpret=interpret,
         bias=bias, fill_nan=fill_nan, rhs_scale=rhs_scale if per_channel else None,
-        rhs_block_scale=rhs_scale if rhs_scale is not None and not per_channel and not mxfp4 else None,
-        rhs_mx_scale=rhs_scale if mxfp4 else None,
+        rhs_block_scale=rhs_scale if rhs_scale is not None and not per_channel and not packed else None,
+        rhs_packed_scale=rhs_scale if packed else None,
     )
     return out[:m]
 
 
-MXFP4_MAX_BLOCK_K = 4096  # a multiple of 1024: K steps of MXFP4 weights (scale blocks of whole uint8 tiles)
+PACKED_MAX_BLOCK_K = 4096  # K steps of 4-bit weights: a multiple of every packed_k_step (whole tiles of scales)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -78,7 +80,8 @@ def _ragged_dot(lhs, rhs, group_sizes, bias, fill_nan, rhs_scale, transpose_rhs,
     fill_nan: a bool scalar, or None: rows past the groups are NaN, not zero.
     rhs_scale: float32 scales of a quantized rhs, or None: [G, N] per output channel, or
       [G, cdiv(N, 128), cdiv(K, 128)] per 128 x 128 block (N-major whatever rhs's layout); or
-      uint8 e8m0 exponents [G, K / 32 (padded), N] of MXFP4 weights (uint8 [G, K / 2, N]).
+      of 4-bit weights (uint8 [G, K / 2, N]): uint8 e8m0 exponents [G, K / 32 (padded), N] (MXFP4),
+      float32 [G, K / group, N] (int4).
     blocks: the forward kernel's BlockSizes, or None (the table's); the gradients take the table's."""
     return _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias, fill_nan, rhs_scale, blocks)
 
@@ -98,7 +101,7 @@ def _ragged_dot_bwd(transpose_rhs, generation, interpret, blocks, residuals, gra
         grad_bias = jax.ops.segment_sum(grad_out.astype(jnp.float32), segment, num_segments=bias.shape[0] + 1)
         grad_bias = grad_bias[:-1].astype(bias.dtype)
     if rhs.dtype == jnp.uint8:
-        # MXFP4: d lhs = grad_out @ (the decoded weights)^T, the kernel contracting the weights' minor
+        # 4-bit weights: d lhs = grad_out @ (the decoded weights)^T, the kernel contracting the weights' minor
         # dim; frozen weights, no gradient for them or their exponents.
         grad_lhs = _forward(grad_out.astype(lhs.dtype), rhs, group_sizes, not transpose_rhs, generation, interpret,
                             rhs_scale=rhs_scale)
@@ -152,42 +155,42 @@ def _shape_of(name, shape, ndim):
 
 
 def weight_shape(shape, dtype, transpose_rhs=False) -> tuple[int, ...]:
-    """The weights' logical [G, K, N] (or [G, N, K]) shape: MXFP4 bytes hold two weights each along K."""
+    """The weights' logical [G, K, N] (or [G, N, K]) shape: 4-bit weights' bytes hold two each along K."""
     shape = tuple(shape)
     if dtype != jnp.uint8 or len(shape) != 3:
         return shape
     return (shape[0], shape[1], 2 * shape[2]) if transpose_rhs else (shape[0], 2 * shape[1], shape[2])
 
 
-def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, mxfp4=False):
-    """Shape checks shared by the JAX and torch entry points (shapes only; `mxfp4`: rhs holds two
-    weights per byte along K)."""
+def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, packed=False):
+    """Shape checks shared by the JAX and torch entry points (shapes only; `packed`: rhs holds two
+    4-bit weights per byte along K)."""
     m, k = _shape_of("lhs", lhs, 2)
     rhs = _shape_of("rhs", rhs, 3)
     (groups,) = _shape_of("group_sizes", group_sizes, 1)
-    held = weight_shape(rhs, jnp.uint8, transpose_rhs) if mxfp4 else rhs
+    held = weight_shape(rhs, jnp.uint8, transpose_rhs) if packed else rhs
     if held[2 if transpose_rhs else 1] != k:
-        packing = ", MXFP4: two weights per byte along K" if mxfp4 else ""
+        packing = ", 4-bit: two weights per byte along K" if packed else ""
         raise ValueError(f"rhs {rhs} (transpose_rhs={transpose_rhs}{packing}) does not contract with lhs {(m, k)}")
     if groups != rhs[0]:
         raise ValueError(f"group_sizes has {groups} groups, rhs has {rhs[0]}")
 
 
 def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, down_proj,
-                         up_bias=(0,), down_bias=(0,), *, gated=True, transposed=False, mxfp4=False):
+                         up_bias=(0,), down_bias=(0,), *, gated=True, transposed=False, packed=False):
     """Shapes of an experts layer: up_proj [E, U, H] (U = 2I gated, else I)
     and down_proj [E, H, I], or [E, H, U] and [E, I, H] when transposed;
-    biases [E, U] and [E, H], or empty for none. mxfp4: both weights' bytes hold two weights each
-    along the contraction (errors name the shapes as passed, and the weights they hold)."""
+    biases [E, U] and [E, H], or empty for none. packed: both weights' bytes hold two 4-bit weights
+    each along the contraction (errors name the shapes as passed, and the weights they hold)."""
     tokens, hidden = _shape_of("hidden_states", hidden_states, 2)
     name = "gate_up_proj" if gated else "up_proj"
 
     def weights(weight_name, shape):
         given = _shape_of(weight_name, shape, 3)
-        if not mxfp4:
+        if not packed:
             return given, f"{weight_name} {given}"
         held = weight_shape(given, jnp.uint8, not transposed)
-        return held, f"{weight_name} {given} (MXFP4: {held} weights)"
+        return held, f"{weight_name} {given} (4-bit, two per byte: {held} weights)"
 
     (up, up_named), (down, down_named) = weights(name, up_proj), weights("down_proj", down_proj)
     experts, up_out, up_in = (up[0], up[2], up[1]) if transposed else up
@@ -245,7 +248,7 @@ def as_stored(rhs, transpose_rhs: bool, order=None):
     flows back through it. Weights held with the group dim not major (libtpu stores Gemma 4's
     down_proj [128, 2112, 704] as [2112, 704, 128]) have no such view and are left as they are:
     XLA copies them."""
-    if rhs.dtype == jnp.uint8:  # MXFP4: the kernel takes [G, K / 2, N] only (XLA copies another held layout)
+    if rhs.dtype == jnp.uint8:  # 4-bit: the kernel takes [G, K / 2, N] only (XLA copies another held layout)
         return rhs, transpose_rhs
     order = stored_order(rhs.shape, rhs.dtype) if order is None else tuple(order)
     if order == (0, 2, 1):
@@ -260,9 +263,10 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
     Args:
       lhs: [M, K], rows sorted by group (bf16 or fp32).
       rhs: [G, K, N], or [G, N, K] with transpose_rhs (transformers' layout): lhs's dtype, or
-        quantized (int8, float8_e4m3fn) with rhs_scale; or MXFP4 (gpt-oss's experts): uint8
-        [G, K / 2, N], two fp4 e2m1 codes per byte along K (low nibble first), not transposed
-        (`mxfp4_weights` lays out gpt-oss's stored blocks so, once).
+        quantized (int8, float8_e4m3fn) with rhs_scale; or 4-bit, uint8 [G, K / 2, N], two codes
+        per byte along K (low nibble first), not transposed: MXFP4 (gpt-oss's experts, fp4 e2m1
+        codes: `mxfp4_weights` lays out gpt-oss's stored blocks so, once), or int4 (two's
+        complement codes: `quantize_int4` makes them from float weights).
       group_sizes: int32 [G], rows per group, summing to at most M.
       rhs_scale: float32 scales of int8 or fp8 weights, as quantized checkpoints hold them: [G, N],
         the weight is rhs times this per output channel; or one per SCALE_BLOCK x SCALE_BLOCK
@@ -272,6 +276,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
         gradient flows, rhs gets none (a frozen quantized weight). MXFP4: uint8 (or
         float8_e8m0fnu) e8m0 exponents [G, K / 32, N], one per 32 weights along K; the kernel
         reads half a byte per weight and decodes them in VMEM; lhs's gradient flows, the weights get none.
+        int4: float32 [G, K / group, N], a scale per `group` weights along K (group one of
+        kernel.INT4_GROUPS, dividing K), decoded alike.
       generation: TPU generation whose block table to use ("v5e", "v5p",
         "v6e", "tpu7x"); default: the current device's.
       interpret: False compiles for the TPU; True or a
@@ -285,14 +291,14 @@ def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs=False, ge
     past M) make the whole output NaN: checked on the device, with no
     round trip to the host, and no kernel reads outside its inputs.
     """
-    check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs, mxfp4=rhs.dtype == jnp.uint8)
+    check_ragged_dot_shapes(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs, packed=rhs.dtype == jnp.uint8)
     check_rhs_scale(lhs.dtype, rhs, rhs_scale, transpose_rhs)
     generation, interpret = _resolve(generation, interpret)
     sizes, valid = walkable_group_sizes(group_sizes.astype(jnp.int32), lhs.shape[0])
     # The report is the kernel's own fill: a select over the output after the kernel changes how
     # libtpu compiles the kernel itself (in the bench its 4 predicated regions became 1), and one
     # over lhs before it is a pass over lhs (at prefill, 15% of the kernel's modeled time).
-    rhs_scale = n_major(rhs_scale, transpose_rhs)
+    rhs_scale = n_major(rhs_scale, transpose_rhs, rhs.dtype)
     rhs, transpose_rhs = as_stored(rhs, transpose_rhs)
     return _ragged_dot(lhs, rhs, sizes, None, jnp.logical_not(valid), rhs_scale, transpose_rhs, generation, interpret,
                        blocks)
@@ -302,13 +308,14 @@ QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # weight dtypes that come with float3
 MXFP4_SCALES = (jnp.uint8, jnp.float8_e8m0fnu)  # MXFP4 weights' (uint8) e8m0 exponents, either dtype
 
 
-def n_major(scale, transpose_rhs: bool):
+def n_major(scale, transpose_rhs: bool, rhs_dtype):
     """Scales as the kernels take them: per channel [G, N] as given; per block, laid out as the
     weights, [G, N blocks, K blocks] (a swap of the small scale array when the weights are [G, K, N]);
-    MXFP4's e8m0 exponents [G, K / 32, N] as given, as uint8."""
+    4-bit weights' scales [G, K / group, N] as given (MXFP4's e8m0 exponents as uint8)."""
     if scale is not None and scale.dtype in MXFP4_SCALES:
         return jax.lax.bitcast_convert_type(scale, jnp.uint8) if scale.dtype != jnp.uint8 else scale
-    return jnp.swapaxes(scale, 1, 2) if scale is not None and scale.ndim == 3 and not transpose_rhs else scale
+    per_block = scale is not None and scale.ndim == 3 and rhs_dtype != jnp.uint8
+    return jnp.swapaxes(scale, 1, 2) if per_block and not transpose_rhs else scale
 
 
 def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs", "rhs_scale")) -> None:
@@ -317,12 +324,12 @@ def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs
     them."""
     lhs_name, rhs_name, scale_name = names
     if rhs.dtype == jnp.uint8:
-        check_mxfp4_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names)
+        check_packed_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names)
         return
     quantized = any(rhs.dtype == d for d in QUANTIZED)
     if not quantized and (not jnp.issubdtype(rhs.dtype, jnp.floating) or jnp.dtype(rhs.dtype).itemsize == 1):
         raise ValueError(f"{rhs_name} is {rhs.dtype}: weights are floating point, or int8 or float8_e4m3fn "
-                         f"with {scale_name}, or uint8 (MXFP4) with its e8m0 {scale_name}")
+                         f"with {scale_name}, or uint8 (4-bit: MXFP4 or int4) with its {scale_name}")
     if rhs_scale is None:
         if quantized:
             raise ValueError(f"{rhs_name} is {rhs.dtype}: {scale_name} (its float32 scales, per output channel or "
@@ -340,20 +347,32 @@ def check_rhs_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names=("lhs", "rhs
         raise ValueError(f"{lhs_name} must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
 
 
-def check_mxfp4_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names) -> None:
-    """MXFP4 weights: uint8 [G, K / 2, N] (not transposed) with e8m0 exponents [G, K / 32, N]."""
+def check_packed_scale(lhs_dtype, rhs, rhs_scale, transpose_rhs, names) -> None:
+    """4-bit weights: uint8 [G, K / 2, N] (not transposed) with MXFP4's e8m0 exponents
+    [G, K / 32, N], or int4's float32 scales [G, K / group, N]."""
     lhs_name, rhs_name, scale_name = names
     if transpose_rhs:
-        raise ValueError(f"{rhs_name} is uint8 (MXFP4) in the [G, N, K / 2] layout: the kernel takes it as "
-                         f"[G, K / 2, N] (mxfp4_weights lays out gpt-oss's stored blocks so)")
+        raise ValueError(f"{rhs_name} is uint8 (4-bit) in the [G, N, K / 2] layout: the kernel takes it as "
+                         f"[G, K / 2, N] (mxfp4_weights and quantize_int4 lay weights out so)")
     groups, k, n = weight_shape(rhs.shape, rhs.dtype)
+    if rhs_scale is not None and rhs_scale.dtype == jnp.float32:  # int4 with a scale per group along K
+        group = k // rhs_scale.shape[1] if rhs_scale.ndim == 3 and rhs_scale.shape[1] else 0
+        if rhs_scale.ndim != 3 or (rhs_scale.shape[0], rhs_scale.shape[2]) != (groups, n) or group not in INT4_GROUPS \
+                or group * rhs_scale.shape[1] != k:
+            raise ValueError(f"{rhs_name} is uint8 (int4, K = {k}): {scale_name} must be float32 (G, K / group, N) "
+                             f"= ({groups}, {k} / group, {n}), a scale per group of K rows, the group one of "
+                             f"{INT4_GROUPS} dividing K; got {tuple(rhs_scale.shape)}")
+        if lhs_dtype not in (jnp.bfloat16, jnp.float32):
+            raise ValueError(f"{lhs_name} must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
+        return
     rows = (k // MX_BLOCK, mxfp4_scale_rows(k))
     ok = rhs_scale is not None and rhs_scale.dtype in MXFP4_SCALES and rhs_scale.ndim == 3 and k % MX_BLOCK == 0
     if not ok or (rhs_scale.shape[0], rhs_scale.shape[2]) != (groups, n) or rhs_scale.shape[1] not in rows:
         got = "none" if rhs_scale is None else f"{rhs_scale.dtype} {tuple(rhs_scale.shape)}"
         raise ValueError(f"{rhs_name} is uint8 (MXFP4, K = {k}): {scale_name} must be its e8m0 exponents, uint8 or "
                          f"float8_e8m0fnu {(groups, rows[0], n)} (one per {MX_BLOCK} weights along K, K a multiple "
-                         f"of {MX_BLOCK}; or {rows[1]} rows, padded as mxfp4_weights holds them), got {got}")
+                         f"of {MX_BLOCK}; or {rows[1]} rows, padded as mxfp4_weights holds them), or int4's "
+                         f"float32 scales, got {got}")
     if lhs_dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"{lhs_name} must be bfloat16 or float32 with quantized weights, got {lhs_dtype}")
 
@@ -372,9 +391,25 @@ def mxfp4_weights(blocks, scales):
     padded with zeros (never read). A one-time transform at load."""
     experts, n, k_blocks, pairs = blocks.shape
     weights = jnp.swapaxes(blocks.reshape(experts, n, k_blocks * pairs), 1, 2)
-    scales = jnp.swapaxes(n_major(scales, True), 1, 2)  # e8m0 as its bits (uint8)
+    scales = jnp.swapaxes(n_major(scales, True, jnp.uint8), 1, 2)  # e8m0 as its bits (uint8)
     rows = mxfp4_scale_rows(k_blocks * MX_BLOCK)
     return weights, jnp.pad(scales, ((0, 0), (0, rows - k_blocks), (0, 0)))
+
+
+def quantize_int4(weights, group: int = 128):
+    """Float weights [G, K, N] -> (uint8 [G, K / 2, N], float32 [G, K / group, N]): int4 weights as
+    `ragged_dot` takes them, symmetric per group of `group` K rows and output column (the group's
+    largest magnitude maps to 7, codes rounded to nearest, -8 unused), two codes per byte along K,
+    the even row in the low nibble."""
+    g, k, n = weights.shape
+    if group not in INT4_GROUPS or k % group:
+        raise ValueError(f"group must be one of {INT4_GROUPS} and divide K ({k}), got {group}")
+    grouped = weights.astype(jnp.float32).reshape(g, k // group, group, n)
+    # An all-zero group keeps a normal scale (and quantizes to zeros).
+    scale = jnp.maximum(jnp.max(jnp.abs(grouped), axis=2) / 7, jnp.finfo(jnp.float32).tiny)
+    codes = jnp.clip(jnp.round(grouped / scale[:, :, None]), -8, 7).astype(jnp.int8).reshape(g, k // 2, 2, n)
+    nibbles = jax.lax.bitcast_convert_type(codes, jnp.uint8) & 15
+    return nibbles[:, :, 0] | (nibbles[:, :, 1] << 4), scale
 
 
 def route(top_k_index, num_experts):
@@ -430,9 +465,10 @@ def experts_forward(
     (None or empty: no bias). activation: a key of ACTIVATIONS, or
     CLAMPED_SWIGLU with alpha and limit. up_scale and down_scale: float32
     scales of int8 or float8_e4m3fn weights, per output channel ([E, U],
-    [E, H]) or per 128 x 128 block laid out as the weights; or MXFP4 weights
-    (transposed: uint8 [E, H / 2, U] and [E, I / 2, H]) with their e8m0
-    exponents (see `ragged_dot` and `mxfp4_weights`). Returns [T, H]. An id outside
+    [E, H]) or per 128 x 128 block laid out as the weights; or 4-bit weights
+    (transposed: uint8 [E, H / 2, U] and [E, I / 2, H]) with their MXFP4 e8m0
+    exponents or int4 float32 group scales (see `ragged_dot`, `mxfp4_weights` and
+    `quantize_int4`). Returns [T, H]. An id outside
     [0, E] makes the whole output NaN: checked on the device, with no round
     trip to the host (such rows are never multiplied: routing cannot place
     a row outside the groups).
@@ -440,13 +476,13 @@ def experts_forward(
     up_bias = None if up_bias is None or up_bias.size == 0 else up_bias
     down_bias = None if down_bias is None or down_bias.size == 0 else down_bias
     up_name = "gate_up_proj" if gated else "up_proj"
-    mxfp4 = up_proj.dtype == jnp.uint8
-    if mxfp4 != (down_proj.dtype == jnp.uint8):  # the shapes below are read as MXFP4 bytes or as weights
-        raise ValueError(f"{up_name} is {up_proj.dtype} and down_proj {down_proj.dtype}: MXFP4 experts (uint8) hold "
-                         "both weights so, or neither does")
+    packed = up_proj.dtype == jnp.uint8
+    if packed != (down_proj.dtype == jnp.uint8):  # the shapes below are read as 4-bit bytes or as weights
+        raise ValueError(f"{up_name} is {up_proj.dtype} and down_proj {down_proj.dtype}: 4-bit experts (uint8, MXFP4 "
+                         "or int4) hold both weights so, or neither does")
     check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up_proj.shape, down_proj.shape,
                          (0,) if up_bias is None else up_bias.shape, (0,) if down_bias is None else down_bias.shape,
-                         gated=gated, transposed=transposed, mxfp4=mxfp4)
+                         gated=gated, transposed=transposed, packed=packed)
     for weights, scale, names in ((up_proj, up_scale, ("hidden_states", up_name, "up_scale")),
                                   (down_proj, down_scale, ("hidden_states", "down_proj", "down_scale"))):
         check_rhs_scale(hidden_states.dtype, weights, scale, not transposed, names)
@@ -464,7 +500,7 @@ def experts_forward(
     def project(inputs, weights, bias, scale):
         # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
         # are in no group and stay exactly zero.
-        scale = n_major(scale, not transposed)
+        scale = n_major(scale, not transposed, weights.dtype)
         weights, transpose_rhs = as_stored(weights, not transposed)
         return _ragged_dot(inputs, weights, group_sizes, bias, None, scale, transpose_rhs, generation,
                            interpret).astype(jnp.float32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import torch
 
 from . import ops
@@ -85,7 +86,9 @@ quantized_experts_forward_op = jax_custom_op(
     differentiable=("hidden_states", "top_k_weights", "up_bias", "down_bias"),
 )
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
-SCALE_SUFFIX = "_scale_inv"  # as transformers' FP8 experts name a weight's scales (weight times them)
+# as transformers' FP8 experts name a weight's scales (weight times them); int4 experts
+# (quantize_experts) name their float32 group scales so too
+SCALE_SUFFIX = "_scale_inv"
 # MXFP4 experts (mxfp4_checkpoint_config): uint8 weights, two fp4 codes per byte, with their e8m0
 # exponents `<weight>_scales` (ops.mxfp4_weights' layout).
 MXFP4_SCALE_SUFFIX = "_scales"
@@ -172,8 +175,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     Reads the layout from the module: gate_up_proj (gate then up, or
     interleaved) or up_proj without a gate, transposed or not, optional
     biases, its activation or gpt-oss's clamped SwiGLU; quantized weights
-    (int8 or float8_e4m3fn, see `quantize_experts`) with their float32 scales
-    `<weight>_scale_inv`, or MXFP4 (uint8, see `mxfp4_checkpoint_config`) with
+    (int8 or float8_e4m3fn, or int4 two per uint8, see `quantize_experts`) with their float32
+    scales `<weight>_scale_inv`, or MXFP4 (uint8, see `mxfp4_checkpoint_config`) with
     their e8m0 exponents `<weight>_scales`. Expert id E in top_k_index marks a token routed to
     another expert-parallel shard; it costs nothing and contributes zero.
     One op per layer, differentiable (quantized weights are frozen).
@@ -185,15 +188,16 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         up_bias, down_bias = getattr(self, up_name + "_bias"), self.down_proj_bias
     else:
         up_bias = down_bias = hidden_states.new_empty(0)
-    mxfp4 = torch.uint8 in (up.dtype, down.dtype)
-    quantized = mxfp4 or up.dtype in QUANTIZED_DTYPES or down.dtype in QUANTIZED_DTYPES
+    packed = torch.uint8 in (up.dtype, down.dtype)  # 4-bit: MXFP4 (with `_scales`) or int4 (`_scale_inv`)
+    quantized = packed or up.dtype in QUANTIZED_DTYPES or down.dtype in QUANTIZED_DTYPES
+    mxfp4 = packed and getattr(self, up_name + MXFP4_SCALE_SUFFIX, None) is not None
     suffix = MXFP4_SCALE_SUFFIX if mxfp4 else SCALE_SUFFIX
     up_scale, down_scale = (getattr(self, name + suffix, None) for name in (up_name, "down_proj"))
     if quantized and (up_scale is None or down_scale is None):
         raise ValueError(f"{type(self).__name__}: {up_name} is {up.dtype} and down_proj {down.dtype}: quantized "
                          f"experts need {up_name}{suffix} and down_proj{suffix} "
                          f"({'mxfp4_checkpoint_config' if mxfp4 else 'quantize_experts'})")
-    weight_dtypes = (torch.uint8,) if mxfp4 else QUANTIZED_DTYPES if quantized else FLOAT_DTYPES
+    weight_dtypes = (torch.uint8,) if packed else QUANTIZED_DTYPES if quantized else FLOAT_DTYPES
     tensors = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights,
                up_name: up, "down_proj": down, up_name + "_bias": up_bias, "down_proj_bias": down_bias}
     if quantized:
@@ -205,7 +209,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         check_tensor(name, tensor, None, dtypes)
     ops.check_experts_shapes(hidden_states.shape, top_k_index.shape, top_k_weights.shape, up.shape, down.shape,
                              up_bias.shape, down_bias.shape, gated=layout["gated"], transposed=layout["transposed"],
-                             mxfp4=mxfp4)
+                             packed=packed)
     check_same_device(**tensors)
     must_match = (up_name + "_bias", "down_proj_bias") + (() if quantized else (up_name, "down_proj"))
     for name in must_match:
@@ -240,17 +244,34 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 _QUANTIZED_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
+def _int4_experts(weight: torch.Tensor, out_axis: int, group_size: int, name: str):
+    """An experts weight ([E, N, K] with out_axis 1, else [E, K, N]) -> (uint8 [E, K / 2, N],
+    float32 [E, K / group_size, N]) on its device, by `ops.quantize_int4` (run on the host's CPU)."""
+    k = weight.shape[3 - out_axis]
+    if group_size not in ops.INT4_GROUPS or k % group_size:
+        raise ValueError(f"{name}: group_size must be one of {ops.INT4_GROUPS} and divide its contraction ({k}), "
+                         f"got {group_size}")
+    k_major = weight.detach().transpose(1, 2) if out_axis == 1 else weight.detach()
+    with jax.default_device(jax.devices("cpu")[0]):
+        packed, scale = ops.quantize_int4(jax.numpy.asarray(k_major.float().cpu().numpy()), group_size)
+        packed, scale = (torch.from_numpy(np.asarray(x).copy()).to(weight.device) for x in (packed, scale))
+    return packed, scale
+
+
 @torch.no_grad()
-def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8) -> int:
+def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8, group_size: int = 128) -> int:
     """Quantizes every experts module of `model` in place, for `experts_forward`: each expert's
     gate_up_proj (or up_proj) and down_proj become `dtype` (int8 or float8_e4m3fn) with a float32
     scale per expert and output channel, `<weight>_scale_inv` (the weight is the quantized one
     times it), symmetric: the channel's largest magnitude maps to the dtype's largest. The weights
-    then take a byte each and are frozen. Returns how many modules were quantized. Decode gets
-    faster where the chip holds the weights experts-major (the Qwen models); Gemma 4's experts-minor
-    down_proj is copied every call when quantized, so there it gets slower (the card's table)."""
-    if dtype not in _QUANTIZED_MAX:
-        raise ValueError(f"dtype must be one of {list(_QUANTIZED_MAX)}, got {dtype}")
+    then take a byte each and are frozen. torch.int4: a float32 scale per `group_size` weights
+    along the contraction and output channel (`ops.quantize_int4`), two codes per uint8, held
+    K-major as the kernel reads them (the module is then `is_transposed`); half a byte per weight.
+    Returns how many modules were quantized. Decode gets faster where the chip holds the weights
+    experts-major (the Qwen models); Gemma 4's experts-minor down_proj is copied every call when
+    quantized, so there it gets slower (the card's table)."""
+    if dtype not in _QUANTIZED_MAX and dtype != torch.int4:
+        raise ValueError(f"dtype must be one of {list(_QUANTIZED_MAX) + [torch.int4]}, got {dtype}")
     count = 0
     for module in model.modules():
         names = [n for n in ("gate_up_proj", "up_proj", "down_proj") if isinstance(getattr(module, n, None), torch.nn.Parameter)]
@@ -261,6 +282,15 @@ def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8) ->
             if not getattr(module, name).is_floating_point():
                 raise ValueError(f"{type(module).__name__}.{name} is {getattr(module, name).dtype}: quantize_experts "
                                  "quantizes floating-point experts (these are quantized already)")
+        if dtype == torch.int4:
+            for name in names:
+                packed, scale = _int4_experts(getattr(module, name), out_axis, group_size, f"{type(module).__name__}.{name}")
+                setattr(module, name, torch.nn.Parameter(packed, requires_grad=False))
+                setattr(module, name + SCALE_SUFFIX, torch.nn.Parameter(scale, requires_grad=False))
+            module.is_transposed = True  # K-major, as the kernel reads 4-bit weights
+            count += 1
+            continue
+        for name in names:
             weight = getattr(module, name).float()
             # An all-zero channel keeps a normal scale (and quantizes to zeros).
             scale = (weight.abs().amax(dim=3 - out_axis) / _QUANTIZED_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)

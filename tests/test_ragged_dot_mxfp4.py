@@ -116,26 +116,26 @@ def test_experts_forward_matches_the_dequantized_experts():
                                _dequantized(down_blocks, down_scales), *biases, **gate)
     assert max_error(got, want) <= 1e-5 * max_abs(want)
     # A wrong shape is named as passed, with the weights its bytes hold.
-    with pytest.raises(ValueError, match=r"down_proj \(4, 32, 128\) \(MXFP4: \(4, 64, 128\) weights\) should hold "
+    with pytest.raises(ValueError, match=r"down_proj \(4, 32, 128\) \(4-bit, two per byte: \(4, 64, 128\) weights\) should hold "
                                          r"\(4, 96, 128\) weights"):
         ops.experts_forward(x, ids, weights, up, down[:, :32], *biases, up_scale=up_scale, down_scale=down_scale, **gate)
     # MXFP4 bytes for one projection and weights for the other: named as such, not as a shape.
-    with pytest.raises(ValueError, match=r"gate_up_proj is uint8 and down_proj float32: MXFP4 experts \(uint8\) hold "
-                                         r"both weights so, or neither does"):
+    with pytest.raises(ValueError, match=r"gate_up_proj is uint8 and down_proj float32: 4-bit experts \(uint8, MXFP4 or "
+                                         r"int4\) hold both weights so, or neither does"):
         ops.experts_forward(x, ids, weights, up, _dequantized(down_blocks, down_scales), *biases, up_scale=up_scale,
                             **gate)
 
 
 @pytest.mark.parametrize("change,match", [
     (dict(rhs_scale=None), r"rhs_scale must be its e8m0 exponents, uint8 or float8_e8m0fnu \(3, 66, 300\).*got none"),
-    (dict(rhs_scale=jnp.ones((G, 66, N), jnp.float32)), r"got float32 \(3, 66, 300\)"),
+    (dict(rhs_scale=jnp.ones((G, 66, N), jnp.float16)), r"or int4's float32 scales, got float16 \(3, 66, 300\)"),
     (dict(rhs_scale=jnp.ones((G, 67, N), jnp.uint8)), r"or 96 rows, padded as mxfp4_weights holds them"),
     (dict(rhs=jnp.ones((G, 1000, N), jnp.uint8), lhs=jnp.ones((M, 2000), jnp.bfloat16)),
      r"K = 2000\).*K a multiple of 32"),
     (dict(transpose_rhs=True, rhs=jnp.ones((G, N, K // 2), jnp.uint8)), r"in the \[G, N, K / 2\] layout"),
     (dict(lhs=jnp.ones((M, K), jnp.float16)), "lhs must be bfloat16 or float32"),
     (dict(rhs=jnp.ones((G, K, N), jnp.uint8)),
-     r"rhs \(3, 2112, 300\) \(transpose_rhs=False, MXFP4: two weights per byte along K\) does not contract with "
+     r"rhs \(3, 2112, 300\) \(transpose_rhs=False, 4-bit: two weights per byte along K\) does not contract with "
      r"lhs \(40, 2112\)"),
 ])
 def test_bad_input_is_named_before_any_kernel(change, match):
@@ -174,7 +174,7 @@ def test_lhs_gradient_kernel_over_pair_blocks_and_n_steps(interpret):
     grad_out = jnp.asarray(np.random.default_rng(11).standard_normal((rows, N)), jnp.float32)
     got = grouped_matmul(grad_out, rhs, jnp.asarray(SIZES, jnp.int32), blocks=BlockSizes(16, 128, 512),
                          transpose_rhs=True, out_dtype=jnp.float32, vmem_limit=32 << 20, interpret=interpret,
-                         rhs_mx_scale=scales)
+                         rhs_packed_scale=scales)
     want = jax.lax.ragged_dot(grad_out, jnp.swapaxes(weight, 1, 2), jnp.asarray(SIZES, jnp.int32),
                               precision=jax.lax.Precision.HIGHEST)
     assert got.shape == (rows, K)

@@ -175,24 +175,33 @@ def test_gpt_oss_clamp_active():
 
 def _dequantized_into(eager, ours):
     """eager's experts weights set to ours' quantized ones times their scales (fp32): the model
-    ours is, dequantized."""
+    ours is, dequantized. int4 (uint8, two codes per byte along K, held K-major): each nibble
+    sign-extended, times its group's scale, laid out as eager holds the weight."""
     pairs = [(e, o) for e, o in zip(eager.modules(), ours.modules()) if hasattr(o, "down_proj_scale_inv")]
     with torch.no_grad():
         for e, o in pairs:
             out_axis = 2 if o.is_transposed else 1
             for name in ("gate_up_proj" if o.has_gate else "up_proj", "down_proj"):
-                scale = getattr(o, name + "_scale_inv").unsqueeze(3 - out_axis)
-                getattr(e, name).copy_(getattr(o, name).float() * scale)
+                weight, scale = getattr(o, name), getattr(o, name + "_scale_inv")
+                if weight.dtype == torch.uint8:
+                    nibbles = torch.stack([weight & 15, weight >> 4], dim=2).flatten(1, 2).to(torch.int32)
+                    codes = torch.where(nibbles >= 8, nibbles - 16, nibbles).float()  # [E, K, N]
+                    k_major = codes * scale.repeat_interleave(codes.shape[1] // scale.shape[1], dim=1)
+                    getattr(e, name).copy_(k_major if e.is_transposed else k_major.transpose(1, 2))
+                    continue
+                getattr(e, name).copy_(weight.float() * scale.unsqueeze(3 - out_axis))
     return len(pairs)
 
 
 @pytest.mark.parametrize("family,dtype", [("gpt_oss", torch.int8), ("qwen3_5_moe", torch.float8_e4m3fn),
-                                          ("qwen3_moe", torch.int8)])
+                                          ("qwen3_moe", torch.int8), ("qwen3_moe", torch.int4),
+                                          ("gpt_oss", torch.int4)])
 def test_quantized_experts_match_their_dequantized_model(family, dtype, hub_experts):
     """kernel.quantize_experts (loaded with get_kernel from the built tree) turns every experts
-    module's weights into a byte each with a float32 scale per expert and output channel; the
-    model then gives the logits and greedy tokens of transformers' eager experts on the same
-    weights dequantized (fp32; only summation order differs), compiled whole in one graph too."""
+    module's weights into a byte each with a float32 scale per expert and output channel (int4:
+    half a byte, a scale per 32 weights along the contraction); the model then gives the logits
+    and greedy tokens of transformers' eager experts on the same weights dequantized (fp32; only
+    summation order differs), compiled whole in one graph too."""
     import sys
 
     name, _ = hub_experts
@@ -201,11 +210,13 @@ def test_quantized_experts_match_their_dequantized_model(family, dtype, hub_expe
     ours.set_experts_implementation(name)
     full_bytes = sum(p.numel() * p.element_size() for m in ours.modules() if hasattr(m, "has_gate")
                      for n, p in m.named_parameters() if n.endswith("proj"))
-    assert kernel.quantize_experts(ours, dtype) == num_experts_modules
+    assert kernel.quantize_experts(ours, dtype, group_size=32) == num_experts_modules
     assert _dequantized_into(eager, ours) == num_experts_modules
     quantized = [p for m in ours.modules() if hasattr(m, "has_gate") for n, p in m.named_parameters() if n.endswith("proj")]
-    assert {p.dtype for p in quantized} == {dtype} and not any(p.requires_grad for p in quantized)
-    assert sum(p.numel() * p.element_size() for p in quantized) * 4 == full_bytes  # a byte per fp32 weight
+    held = torch.uint8 if dtype == torch.int4 else dtype  # int4: two codes per byte
+    assert {p.dtype for p in quantized} == {held} and not any(p.requires_grad for p in quantized)
+    per_fp32_weight = 8 if dtype == torch.int4 else 4  # half a byte, or a byte
+    assert sum(p.numel() * p.element_size() for p in quantized) * per_fp32_weight == full_bytes
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = eager(ids).logits
