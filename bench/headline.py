@@ -157,22 +157,32 @@ def expert_parallel_per_chip(h: Headline, args, generation: str, shard: int = 0,
 
 # Ours on quantized experts (ragged_dot's rhs_scale): not an opponent, our own rows beside bf16's.
 # impl -> (weights' dtype, scaling: "channel" (float32 per output channel), "block" (float32 per
-# 128 x 128 block, FineGrainedFP8's) or "mxfp4" (two fp4 codes per byte, an e8m0 exponent per 32)).
+# 128 x 128 block, FineGrainedFP8's), "mxfp4" (two fp4 codes per byte, an e8m0 exponent per 32) or
+# "int4" (two int4 codes per byte, a float32 scale per group along K: `int4_group`)).
 QUANTIZED = {"ours, int8 weights (a scale per channel)": (jnp.int8, "channel"),
              "ours, fp8 weights (a scale per 128 x 128 block)": (jnp.float8_e4m3fn, "block"),
-             "ours, MXFP4 weights (a power of two per 32)": (jnp.uint8, "mxfp4")}
-COLUMN = {"channel": "{dtype} per channel", "block": "{dtype} per block", "mxfp4": "MXFP4"}
+             "ours, MXFP4 weights (a power of two per 32)": (jnp.uint8, "mxfp4"),
+             "ours, int4 weights (a scale per 128 along K, 64 for Gemma 4)": (jnp.uint8, "int4")}
+COLUMN = {"channel": "{dtype} per channel", "block": "{dtype} per block", "mxfp4": "MXFP4", "int4": "int4"}
+
+
+def int4_group(h: Headline) -> int:
+    """int4's group along K: 128, as int4 checkpoints mostly use, or the largest smaller one that
+    divides both projections' contractions (Gemma 4's hidden 2112 and intermediate 704: 64)."""
+    return next(g for g in (128, 64, 32) if h.hidden % g == 0 and h.intermediate % g == 0)
 
 
 def quantized(h: Headline, args, generation: str, dtype, scaling: str, interpret: bool = False):
     """(fn, args): ours on the same layer with its weights in `dtype` and float32 scales, per output
     channel or per 128 x 128 block (as FineGrainedFP8 checkpoints hold them); or (MXFP4) packed fp4
-    codes and their exponents, K-major as `ops.mxfp4_weights` holds them."""
+    codes and their exponents, K-major as `ops.mxfp4_weights` holds them; or (int4) packed int4 codes
+    and float32 scales per group along K, as `ops.quantize_int4` returns them."""
     x, index, w, up, down = args
-    if scaling == "mxfp4":  # [E, N, K] -> [E, K / 2, N] bytes and [E, padded K / 32, N] exponents
+    if scaling in ("mxfp4", "int4"):  # [E, N, K] -> [E, K / 2, N] bytes and [E, K / group (padded), N] scales
         packed = lambda weight: jax.ShapeDtypeStruct((weight.shape[0], weight.shape[2] // 2, weight.shape[1]), dtype)
-        scale = lambda weight: jax.ShapeDtypeStruct(
-            (weight.shape[0], ops.mxfp4_scale_rows(weight.shape[2]), weight.shape[1]), jnp.uint8)
+        rows = ops.mxfp4_scale_rows if scaling == "mxfp4" else lambda k: k // int4_group(h)
+        scale = lambda weight: jax.ShapeDtypeStruct((weight.shape[0], rows(weight.shape[2]), weight.shape[1]),
+                                                    jnp.uint8 if scaling == "mxfp4" else jnp.float32)
         up_q, down_q, transposed = packed(up), packed(down), True
     else:
         scale = lambda weight: jax.ShapeDtypeStruct(
@@ -317,7 +327,8 @@ def quantized_section(rows: list[dict], ours: dict) -> list[str]:
         "",
         "Ours on the same layer with its experts' weights stored a byte each with float32 scales (`ragged_dot`'s",
         "`rhs_scale`: per output channel, or per 128 x 128 block for fp8 e4m3), or half a byte each (MXFP4:",
-        "fp4 e2m1 codes with a power-of-two exponent per 32 weights, gpt-oss's format): its modeled time /",
+        "fp4 e2m1 codes with a power-of-two exponent per 32 weights, gpt-oss's format; int4: two's-complement",
+        "codes with a float32 scale per 128 weights along K, 64 for Gemma 4): its modeled time /",
         "ours' in bf16 at the same model, generation and batch (under 1, quantizing is faster). Not in the",
         "verdict, which compares bf16 implementations.",
         "",
@@ -423,7 +434,10 @@ How to read it:
   the verdict. v6e has no fp8 arithmetic, so its fp8 rows pay for widening every weight; block scales
   take one MXU pass per 128-wide slice of the contraction. MXFP4 decodes every code in VMEM (its bits
   moved into an fp8 e4m3 byte, then the widening fp8 weights take, times its exponent): on v6e that
-  vector work, not the halved bytes, sets its time.
+  vector work, not the halved bytes, sets its time. int4 decodes each code as the top half of an int8
+  and widens it as int8 weights are, several times less vector work than MXFP4's; past a few tokens
+  per expert that work, not its bytes, still sets its time. Half-a-byte weights take row tiles of at
+  most 128 rows (a byte: 256), the fastest on these rows.
 - The expert-parallel row is one chip's share on v6e-8 (`ops.expert_parallel_experts_forward`, experts
   split 16 per chip, tokens replicated): its program without the final all-reduce of the output between
   chips, whose ICI time the schedule model cannot read. It compiles as a whole on an eight-chip v6e

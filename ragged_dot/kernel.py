@@ -66,17 +66,17 @@ def int4_planes(packed, scales, dtype, group: int):
     computed in `dtype` (in bf16 the scale is rounded to bf16, then the product: a weight within
     2^-8 of its value, as a model dequantized to bf16 holds it).
 
-    The nibbles are sign-extended by shifts of the bytes read as int8 (the low one moved up first),
-    then widened as int8 weights are: on v6e this decodes about four times faster than MXFP4's
-    path through fp8, which Mosaic widens in many vector ops."""
+    Each nibble is read in place as the top half of an int8 (the low one shifted up, the high one
+    masked), which is 16 times its code, and widened as int8 weights are; the 16 is taken out of the
+    scale (exactly: a power of two). On v6e this decodes about five times faster than MXFP4's path
+    through fp8, which Mosaic widens in many vector ops, and a third faster than sign-extending
+    each nibble first (modeled)."""
     rows, cols = packed.shape
-    signed = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.int8)
-    lo = (signed(packed << 4) >> 4).astype(dtype)
-    hi = (signed(packed) >> 4).astype(dtype)
+    sixteen_times = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.int8).astype(dtype)
     half = group // 2
-    factor = jnp.broadcast_to(scales[:, None, :], (scales.shape[0], half, cols)).reshape(-1, cols)[:rows]
+    factor = jnp.broadcast_to(scales[:, None, :] * (1 / 16), (scales.shape[0], half, cols)).reshape(-1, cols)[:rows]
     factor = factor.astype(dtype)
-    return lo * factor, hi * factor
+    return sixteen_times(packed << 4) * factor, sixteen_times(packed & 0xF0) * factor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,14 +199,15 @@ def test_experts_forward_matches_the_dequantized_experts(transposed, per_block):
 
 def test_a_byte_per_weight_cuts_tall_row_tiles():
     """The table's blocks were rated with bf16 weights: Qwen3.5-35B-A3B's batch-256 gate_up on v6e
-    takes 512-row tiles (8 rows per expert). With int8 or fp8 weights they are cut to 256 rows; a
-    Mixtral-8x7B prefill's 512-row tiles (4096 rows per expert) stay; the other sizes stay."""
+    takes 512-row tiles (8 rows per expert). With int8 or fp8 weights they are cut to 256 rows, with
+    half a byte per weight (MXFP4, int4) to 128; a Mixtral-8x7B prefill's 512-row tiles (4096 rows
+    per expert) stay; the other sizes stay."""
     from ragged_dot import tuning
 
     qwen = dict(rows=2048, k=2048, n=1024, groups=256, generation="v6e", transpose_rhs=True)
     mixtral = dict(rows=32768, k=4096, n=28672, groups=8, generation="v5e", transpose_rhs=True)
-    for case, want_m in ((qwen, 256), (mixtral, 512)):
+    for case, weight_itemsize, want_m in ((qwen, 1, 256), (qwen, 0.5, 128), (mixtral, 1, 512), (mixtral, 0.5, 512)):
         bf16 = tuning.choose_blocks(**case)
         assert bf16.block_m == 512, bf16  # the table's entry this test is about
-        quantized = tuning.choose_blocks(**case, weight_itemsize=1)
+        quantized = tuning.choose_blocks(**case, weight_itemsize=weight_itemsize)
         assert (quantized.block_m, quantized.block_k, quantized.block_n) == (want_m, bf16.block_k, bf16.block_n)
