@@ -348,7 +348,7 @@ def _cond_index(kernel_jaxpr, eqn_index, num_prefetch, points, prefetch, user_ax
 
 _XLA_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64", "int8": "s8", "int16": "s16",
                "int32": "s32", "int64": "s64", "uint8": "u8", "uint32": "u32", "bool": "pred",
-               "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+               "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "int4": "s4"}
 
 
 def xla_shape(aval) -> str:

@@ -54,6 +54,7 @@ from runtime.generations import GENERATIONS  # noqa: E402
 
 GENERATIONS_RUN = ("v6e", "tpu7x")
 BATCHES = (1, 8, 64, 256)  # decode steps: tokens in flight
+PREFILL = 8192  # a prefill's tokens: ours in bf16 and quantized only (the quantized table's last row per model)
 FUSED_MOE = "tpu-inference fused_moe v1 (lower bound)"
 RESULTS = harness.BENCH / "results"
 
@@ -199,6 +200,45 @@ def quantized(h: Headline, args, generation: str, dtype, scaling: str, interpret
     return ours_quantized, q_args
 
 
+# tpu-inference's grouped matmul (vLLM's TPU MoE matmul, megablox's fork) on the same formats where
+# it has them, in the same layer: impl -> (its weights' dtype, the format of ours it faces).
+# Its scales are per output column and per block of K rows ([G, K / block, 1, N]): a block of all of
+# K (int8: per channel), 128 (fp8: finer than ours' 128 x 128 blocks) or int4's group.
+ANCHOR_QUANTIZED = {"tpu-inference gmm, int8 weights (a scale per channel)": (jnp.int8, "channel"),
+                    "tpu-inference gmm, fp8 weights (a scale per 128 along K)": (jnp.float8_e4m3fn, "block"),
+                    "tpu-inference gmm, int4 weights (a scale per group along K, as ours)": (jnp.int4, "int4")}
+
+
+def tpu_inference_quantized(h: Headline, args, dtype, scaling: str):
+    """(fn, args) of one layer on tpu-inference's gmm with quantized weights, K-major as it takes
+    them (an engine lays them out once at load), its own tiles (its table, else its default), or
+    None where tpu-inference is not installed."""
+    anchor = bench._tpu_inference_gmm()
+    if anchor is None:
+        return None
+    x, index, w, up, down = args
+    act = ops.ACTIVATIONS[h.activation]
+    block = {"channel": None, "block": 128, "int4": int4_group(h)}[scaling]
+
+    def held(weight):  # [E, N, K] -> its [E, K, N] weights and [E, K / block, 1, N] scales
+        e, n, k = weight.shape
+        return (jax.ShapeDtypeStruct((e, k, n), dtype),
+                jax.ShapeDtypeStruct((e, 1 if block is None else k // block, 1, n), jnp.float32))
+
+    (up_q, up_s), (down_q, down_s) = held(up), held(down)
+
+    def layer(x, idx, w, up, down, up_scale, down_scale):
+        order, sizes = ops.route(idx, h.experts)
+        proj = anchor.gmm(x[order // h.top_k], up, sizes, jnp.float32, rhs_scale=up_scale)
+        gated = act(proj[:, :h.intermediate]) * proj[:, h.intermediate:]
+        y = anchor.gmm(gated.astype(x.dtype), down, sizes, jnp.float32, rhs_scale=down_scale)
+        weighted = y * w.reshape(-1)[order].astype(jnp.float32)[:, None]
+        unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
+        return unsorted.reshape(x.shape[0], h.top_k, -1).sum(axis=1).astype(x.dtype)
+
+    return layer, (x, index, w, up_q, down_q, up_s, down_s)
+
+
 def fused_moe(h: Headline, tokens: int, generation: str):
     """(fn, args) of tpu-inference's fused_moe v1 for one layer, or None
     where tpu-inference is not installed."""
@@ -235,6 +275,10 @@ def programs(h: Headline, tokens: int, generation: str):
     found[EXPERT_PARALLEL] = (*expert_parallel_per_chip(h, args, generation), True)
     for impl, (dtype, scaling) in QUANTIZED.items():
         found[impl] = (*quantized(h, args, generation, dtype, scaling), True)
+    for impl, (dtype, scaling) in ANCHOR_QUANTIZED.items():
+        anchor = tpu_inference_quantized(h, args, dtype, scaling)
+        if anchor is not None:
+            found[impl] = (*anchor, True)
     fused = fused_moe(h, tokens, generation)
     if fused is not None:
         found[FUSED_MOE] = (*fused, False)
@@ -249,7 +293,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=[h.model for h in HEADLINES])
     parser.add_argument("--generations", nargs="*", default=list(GENERATIONS_RUN), choices=list(GENERATIONS))
-    parser.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
+    parser.add_argument("--batches", nargs="*", type=int, default=[*BATCHES, PREFILL])
     parser.add_argument("--redo", nargs="*", default=None, metavar="IMPL",
                         help="model these implementations again (all with no names) where the results hold them")
     args = parser.parse_args(argv)
@@ -261,6 +305,8 @@ def main(argv=None) -> int:
                 found = programs(h, tokens, generation)
                 sizes = np.bincount(np.asarray(inputs(h, tokens)[1]).reshape(-1), minlength=h.experts)
                 for impl, (fn, fn_args, walk) in found.items():
+                    if tokens == PREFILL and impl != "ours" and impl not in QUANTIZED and impl not in ANCHOR_QUANTIZED:
+                        continue
                     key = (h.model, generation, tokens, impl)
                     if key in results and not redo(impl):
                         continue
@@ -291,7 +337,8 @@ def verdicts(rows: list[dict]) -> list[dict]:
     that runs on one chip. The expert-parallel row is one chip's share of eight: not compared."""
     cases = {}
     for r in rows:
-        if "error" not in r and r["impl"] != EXPERT_PARALLEL and r["impl"] not in QUANTIZED:
+        if "error" not in r and r["impl"] != EXPERT_PARALLEL and r["impl"] not in QUANTIZED \
+                and r["impl"] not in ANCHOR_QUANTIZED:
             cases.setdefault((r["model"], r["generation"], r["tokens"]), {})[r["impl"]] = r
     headline = {h.model: h for h in HEADLINES}
     out = []
@@ -308,9 +355,38 @@ def verdicts(rows: list[dict]) -> list[dict]:
 
 def row_order(r: dict) -> tuple:
     order = {h.model: i for i, h in enumerate(HEADLINES)}
-    impl_order = ["ours", EXPERT_PARALLEL, *QUANTIZED, "grouped_mm (default)", "batched_mm", "eager", FUSED_MOE]
+    impl_order = ["ours", EXPERT_PARALLEL, *QUANTIZED, *ANCHOR_QUANTIZED, "grouped_mm (default)", "batched_mm",
+                  "eager", FUSED_MOE]
     return (order.get(r["model"], 99), GENERATIONS_RUN.index(r["generation"]) if r["generation"] in GENERATIONS_RUN
             else 9, r["tokens"], impl_order.index(r["impl"]) if r["impl"] in impl_order else 9)
+
+
+def anchor_section(rows: list[dict]) -> list[str]:
+    """Ours quantized against tpu-inference's gmm on the same format: a row per (model, batch), a
+    column per generation and format."""
+    ours_of = {scaling: impl for impl, (_, scaling) in QUANTIZED.items()}
+    pairs = {scaling: (ours_of[scaling], anchor) for anchor, (_, scaling) in ANCHOR_QUANTIZED.items()}
+    names = {"channel": "int8", "block": "fp8", "int4": "int4"}
+    time = {(r["model"], r["tokens"], r["generation"], r["impl"]): r["modeled_us"] for r in rows if "error" not in r}
+    columns = [(g, scaling) for g in GENERATIONS_RUN for scaling in pairs]
+    lines = [
+        "## Quantized experts: ours against tpu-inference's grouped matmul on the same format",
+        "",
+        "Ours quantized (the table above) / tpu-inference 0.32.0's `gmm` (vLLM's TPU MoE matmul) in the same layer",
+        "with the same weights' format, at its own tiles (its table, else its default): int8 with a scale per",
+        "channel; fp8 with a scale per 128 weights along K and output column (finer than ours' 128 x 128 blocks);",
+        "int4 (`jnp.int4`) with ours' groups. Under 1, ours is faster. It has no MXFP4.",
+        "",
+        "| model | batch | " + " | ".join(f"{g} {names[scaling]}" for g, scaling in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for model, tokens in dict.fromkeys((r["model"], r["tokens"]) for r in rows if r["impl"] in ANCHOR_QUANTIZED):
+        cells = []
+        for g, scaling in columns:
+            mine, theirs = (time.get((model, tokens, g, impl)) for impl in pairs[scaling])
+            cells.append("-" if mine is None or theirs is None else f"{mine / theirs:.2f}")
+        lines.append(f"| {model} | {tokens} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def quantized_section(rows: list[dict], ours: dict) -> list[str]:
@@ -329,8 +405,8 @@ def quantized_section(rows: list[dict], ours: dict) -> list[str]:
         "`rhs_scale`: per output channel, or per 128 x 128 block for fp8 e4m3), or half a byte each (MXFP4:",
         "fp4 e2m1 codes with a power-of-two exponent per 32 weights, gpt-oss's format; int4: two's-complement",
         "codes with a float32 scale per 128 weights along K, 64 for Gemma 4): its modeled time /",
-        "ours' in bf16 at the same model, generation and batch (under 1, quantizing is faster). Not in the",
-        "verdict, which compares bf16 implementations.",
+        "ours' in bf16 at the same model, generation and batch (under 1, quantizing is faster); batch "
+        f"{PREFILL} is a prefill. Not in the verdict, which compares bf16 implementations.",
         "",
         "| model | batch | " + " | ".join(f"{g} {kinds[impl]}" for g, impl in columns) + " |",
         "|---|---|" + "---|" * len(columns),
@@ -368,7 +444,7 @@ def write(rows: list[dict]) -> None:
         lines.append(f"| {v['model']} | {v['generation']} | {v['tokens']} | {v['ours_us']:.1f} "
                      f"| {v['ours_us'] / v['floor_us']:.2f} | {v['best_other']}{bound} "
                      f"| {v['best_other_us']:.1f} | {v['ours_us'] / v['best_other_us']:.2f} |")
-    lines += ["", *quantized_section(rows, ours)]
+    lines += ["", *quantized_section(rows, ours), "", *anchor_section(rows)]
     lines += [
         "",
         "## Every row",

@@ -232,9 +232,13 @@ def _kernel(
         if packed:
             return packed_transposed_product(last) if transpose_rhs else packed_product(last)
         lhs, rhs = lhs_ref[...], rhs_ref[...]
-        if rhs.dtype.itemsize == 1:  # quantized weights (int8, fp8) widen to lhs's dtype in VMEM, exactly;
-            rhs = rhs.astype(lhs.dtype)  # their scale multiplies the fp32 product at the store, or (lhs's
-            # gradient) was folded into lhs by the caller
+        # Quantized weights (int8, fp8) go into a bf16 product as they are: Mosaic widens them on the
+        # way into the MXU (on v6e an fp8 block widened first costs several times the product, modeled).
+        # Widened to lhs's dtype in VMEM (exactly) for fp32 products, and where the last K block's
+        # overhang must be zeroed (fp8's bytes there may be NaN). Their scale multiplies the fp32
+        # product at the store, or (lhs's gradient) was folded into lhs by the caller.
+        if rhs.dtype.itemsize == 1 and (lhs.dtype == jnp.float32 or (last and k_size % block_k)):
+            rhs = rhs.astype(lhs.dtype)
         if last and k_size % block_k:  # the last K block runs past K: zero the overhang in both
             valid = k_size % block_k
             lhs = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lhs.shape, 1) < valid, lhs, 0)

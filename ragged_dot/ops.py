@@ -39,7 +39,7 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
     itemsize = jnp.dtype(lhs.dtype).itemsize
     given = blocks is not None
     blocks = blocks or choose_blocks(m, k, n, num_groups, generation, itemsize, transpose_rhs=transpose_rhs,
-                                     weight_itemsize=0.5 if packed else rhs.dtype.itemsize)
+                                     weight_itemsize=rhs.dtype.itemsize)
     buffers = forward_buffers(blocks, itemsize)
     if packed and transpose_rhs:
         # lhs's gradient: N contracted, output columns in pairs of K (n counts pairs); pairs whole up

@@ -276,26 +276,25 @@ def rule_weight_grad_blocks(rows, p, q, groups, generation, itemsize=2) -> Block
                          GENERATIONS[generation].scoped_vmem_default)[0]
 
 
-# Quantized weights (a byte each) halve the weight stream, so a row tile's MXU passes count: the
+# Quantized weights (a byte or half a byte each) halve or quarter the weight stream, so a row
+# tile's MXU passes count (and, for 4-bit weights, the codes' decoding per visit beside them): the
 # table was rated with weights of lhs's dtype, whose stream hid row tiles far taller than a group's
-# rows. With a byte per weight, row tiles are cut to this many rows or a group's average rows,
-# whichever is more (the modeled headline rows: faster where it cut, slower nowhere). Half a byte
-# per weight (MXFP4, int4) quarters the stream and adds the codes' decoding per visit, in the
-# vector units beside the MXU's passes: cut to 128 (v6e's Qwen3-30B-A3B int4 rows at batch 64
-# and 256: 256 rows 1.6x and 1.4x slower; 128 the fastest or within 3% of 64 on Qwen3-30B-A3B
-# and Qwen3.5-35B-A3B, tpu7x level).
-QUANTIZED_MAX_BLOCK_M = {1: 256, 0.5: 128}
+# rows. Row tiles are cut to this many rows or a group's average rows, whichever is more. On the
+# modeled headline rows (Qwen3-30B-A3B, Qwen3.5-35B-A3B at batches 64 and 256, v6e and tpu7x),
+# 256 rows made fp8 and int4 up to 1.8x slower, 64 rows was no faster than 128 beyond a few
+# percent, and int8 lost at most 2% against 256.
+QUANTIZED_MAX_BLOCK_M = 128
 
 
 def choose_blocks(rows, k, n, groups, generation, itemsize=2, *, transpose_rhs: bool,
-                  weight_itemsize: float | None = None) -> BlockSizes:
+                  weight_itemsize: int | None = None) -> BlockSizes:
     """Blocks of the grouped matmul [rows, K] x weights [G, K, N] (stored
     [G, N, K] when `transpose_rhs`); `itemsize` lhs's, `weight_itemsize` the
-    weights' bytes per weight (None: the same; 0.5 for 4-bit weights)."""
+    weights' array's (None: the same; 1 for quantized weights, 4-bit ones' uint8 too)."""
     blocks = lookup(TUNED, generation, (rows, k, n, groups, itemsize),
                     lambda: rule_blocks(rows, k, n, groups, generation, itemsize, transpose_rhs=transpose_rhs))
-    if weight_itemsize in QUANTIZED_MAX_BLOCK_M:
-        cap = max(QUANTIZED_MAX_BLOCK_M[weight_itemsize], 1 << (max(1, -(-rows // groups)) - 1).bit_length())
+    if weight_itemsize == 1:
+        cap = max(QUANTIZED_MAX_BLOCK_M, 1 << (max(1, -(-rows // groups)) - 1).bit_length())
         if blocks.block_m > cap:
             blocks = dataclasses.replace(blocks, block_m=cap)
     return blocks
