@@ -506,14 +506,16 @@ How to read it:
   a lower bound. It refuses Gemma 4's hidden 2112 and intermediate 704 (it asks callers to pad them to
   multiples of 128 first).
 - The quantized rows are ours on the same weights stored a byte each with float32 scales
-  (`ragged_dot`'s `rhs_scale`), or half a byte each (MXFP4): against ours in bf16 (`it / ours`), not in
-  the verdict. v6e has no fp8 arithmetic, so its fp8 rows pay for widening every weight; block scales
-  take one MXU pass per 128-wide slice of the contraction. MXFP4 decodes every code in VMEM (its bits
-  moved into an fp8 e4m3 byte, then the widening fp8 weights take, times its exponent): on v6e that
-  vector work, not the halved bytes, sets its time. int4 decodes each code as the top half of an int8
-  and widens it as int8 weights are, several times less vector work than MXFP4's; past a few tokens
-  per expert that work, not its bytes, still sets its time. Half-a-byte weights take row tiles of at
-  most 128 rows (a byte: 256), the fastest on these rows.
+  (`ragged_dot`'s `rhs_scale`), or half a byte each (MXFP4, int4): against ours in bf16 (`it / ours`),
+  not in the verdict. int8 and fp8 weights go into the bf16 products as loaded: Mosaic widens them on
+  their way into the MXU (an fp8 block widened first, in the vector units, costs v6e several times the
+  product). fp8 block scales take one MXU pass per 128-wide slice of the contraction. MXFP4 decodes
+  every code in VMEM (its bits moved into an fp8 e4m3 byte, widened, times its exponent): on v6e that
+  vector work, not the halved bytes, sets its time. int4 decodes each code as the top half of an int8,
+  widened, times its scale, several times less vector work than MXFP4's; past a few tokens per expert
+  that work, not its bytes, still sets its time. Quantized weights take row tiles of at most 128 rows.
+- tpu-inference's quantized rows run its `gmm` (the same layer around it as ours: routing, gate,
+  weighted sum) on weights laid out [E, K, N] as it takes them, with its own tiles.
 - The expert-parallel row is one chip's share on v6e-8 (`ops.expert_parallel_experts_forward`, experts
   split 16 per chip, tokens replicated): its program without the final all-reduce of the output between
   chips, whose ICI time the schedule model cannot read. It compiles as a whole on an eight-chip v6e

@@ -68,9 +68,9 @@ def int4_planes(packed, scales, dtype, group: int):
 
     Each nibble is read in place as the top half of an int8 (the low one shifted up, the high one
     masked), which is 16 times its code, and widened as int8 weights are; the 16 is taken out of the
-    scale (exactly: a power of two). On v6e this decodes about five times faster than MXFP4's path
-    through fp8, which Mosaic widens in many vector ops, and a third faster than sign-extending
-    each nibble first (modeled)."""
+    scale (exactly: a power of two). That is several times less vector work than MXFP4's path
+    through fp8 (which Mosaic widens in many vector ops on v6e), and less than sign-extending each
+    nibble first."""
     rows, cols = packed.shape
     sixteen_times = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.int8).astype(dtype)
     half = group // 2

@@ -279,10 +279,9 @@ def rule_weight_grad_blocks(rows, p, q, groups, generation, itemsize=2) -> Block
 # Quantized weights (a byte or half a byte each) halve or quarter the weight stream, so a row
 # tile's MXU passes count (and, for 4-bit weights, the codes' decoding per visit beside them): the
 # table was rated with weights of lhs's dtype, whose stream hid row tiles far taller than a group's
-# rows. Row tiles are cut to this many rows or a group's average rows, whichever is more. On the
-# modeled headline rows (Qwen3-30B-A3B, Qwen3.5-35B-A3B at batches 64 and 256, v6e and tpu7x),
-# 256 rows made fp8 and int4 up to 1.8x slower, 64 rows was no faster than 128 beyond a few
-# percent, and int8 lost at most 2% against 256.
+# rows. Row tiles are cut to this many rows or a group's average rows, whichever is more: on the
+# modeled headline rows (Qwen3-30B-A3B and Qwen3.5-35B-A3B at batches 64 and 256, v6e and tpu7x)
+# taller tiles made fp8 and int4 much slower, shorter ones gained little, and int8 lost little.
 QUANTIZED_MAX_BLOCK_M = 128
 
 
