@@ -209,7 +209,7 @@ ANCHOR_QUANTIZED = {"tpu-inference gmm, int8 weights (a scale per channel)": (jn
                     "tpu-inference gmm, int4 weights (a scale per group along K, as ours)": (jnp.int4, "int4")}
 
 
-def tpu_inference_quantized(h: Headline, args, dtype, scaling: str):
+def tpu_inference_quantized(h: Headline, args, dtype, scaling: str, interpret: bool = False):
     """(fn, args) of one layer on tpu-inference's gmm with quantized weights, K-major as it takes
     them (an engine lays them out once at load), its own tiles (its table, else its default), or
     None where tpu-inference is not installed."""
@@ -229,9 +229,9 @@ def tpu_inference_quantized(h: Headline, args, dtype, scaling: str):
 
     def layer(x, idx, w, up, down, up_scale, down_scale):
         order, sizes = ops.route(idx, h.experts)
-        proj = anchor.gmm(x[order // h.top_k], up, sizes, jnp.float32, rhs_scale=up_scale)
+        proj = anchor.gmm(x[order // h.top_k], up, sizes, jnp.float32, rhs_scale=up_scale, interpret=interpret)
         gated = act(proj[:, :h.intermediate]) * proj[:, h.intermediate:]
-        y = anchor.gmm(gated.astype(x.dtype), down, sizes, jnp.float32, rhs_scale=down_scale)
+        y = anchor.gmm(gated.astype(x.dtype), down, sizes, jnp.float32, rhs_scale=down_scale, interpret=interpret)
         weighted = y * w.reshape(-1)[order].astype(jnp.float32)[:, None]
         unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
         return unsorted.reshape(x.shape[0], h.top_k, -1).sum(axis=1).astype(x.dtype)

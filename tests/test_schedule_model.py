@@ -220,8 +220,9 @@ def test_headline_baselines_do_the_same_work():
     total = np.sum([np.asarray(part, np.float32) for part in shares], axis=0)
     np.testing.assert_allclose(total, want, atol=4 * 2**-8 * scale, err_msg="expert-parallel shares")
     # The quantized rows are ours on the same layer with a byte per weight: weights of eighths stored as
-    # their multiples of 1/8 (exact in int8 and fp8 at these sizes) with every scale 1/8. MXFP4: random
-    # fp4 codes, every exponent 2^-3, packed two per byte along K and K-major as ops.mxfp4_weights holds them.
+    # their multiples of 1/8 (exact in int8 and fp8 at these sizes) with every scale 1/8. MXFP4 and int4:
+    # random 4-bit codes, every scale 2^-3, packed two per byte along K and K-major as ops.mxfp4_weights
+    # and ops.quantize_int4 hold them.
     fp4_values = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     for impl, (dtype, scaling) in headline.QUANTIZED.items():
         fn, specs = headline.quantized(h, (hidden, index, weights, up, down), "v6e", dtype, scaling, interpret=True)
@@ -234,11 +235,34 @@ def test_headline_baselines_do_the_same_work():
             np.testing.assert_allclose(np.asarray(got, np.float32), want_fp4, atol=4 * 2**-8 * np.abs(want_fp4).max(),
                                        err_msg=impl)
             continue
+        if scaling == "int4":  # random codes -8 .. 7, every scale 1/8, packed as ops.quantize_int4 packs them
+            codes = [rng.integers(-8, 8, w.shape).astype(np.int8).view(np.uint8) & 15 for w in args[3:]]  # [E, N, K]
+            eighths = [jnp.asarray(np.where(c >= 8, c.astype(np.float32) - 16, c) / 8, jnp.bfloat16) for c in codes]
+            packed = [jnp.asarray(np.swapaxes(c[..., 0::2] | (c[..., 1::2] << 4), 1, 2)) for c in codes]
+            got = fn(*args[:3], *packed, *(jnp.full(spec.shape, 1 / 8, jnp.float32) for spec in specs[5:]))
+            want_int4 = np.asarray(ours(*args[:3], *eighths), np.float32)
+            np.testing.assert_allclose(np.asarray(got, np.float32), want_int4, atol=4 * 2**-8 * np.abs(want_int4).max(),
+                                       err_msg=impl)
+            continue
         stored = [jnp.clip(jnp.round(w.astype(jnp.float32) * 8), -15, 15) for w in args[3:]]
         eighths = [(x / 8).astype(jnp.bfloat16) for x in stored]
         scales = [jnp.full(spec.shape, 1 / 8, jnp.float32) for spec in specs[5:]]
         got = fn(*args[:3], *(x.astype(dtype) for x in stored), *scales)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ours(*args[:3], *eighths), np.float32), atol=4 * 2**-8 * scale, err_msg=impl)
+    # tpu-inference's quantized rows: its gmm in the same layer, on weights [E, K, N] of eighths (int4:
+    # sevenths and less, -8 .. 7 times 1/8) with every scale 1/8, against ours on the same values.
+    for impl, (dtype, scaling) in headline.ANCHOR_QUANTIZED.items():
+        anchor = headline.tpu_inference_quantized(h, (hidden, index, weights, up, down), dtype, scaling, interpret=True)
+        if anchor is None:
+            continue  # tpu-inference not installed
+        fn, specs = anchor
+        limit = 8 if scaling == "int4" else 15
+        stored = [jnp.clip(jnp.round(w.astype(jnp.float32) * 8), -limit, limit - 1) for w in args[3:]]
+        eighths = [(x / 8).astype(jnp.bfloat16) for x in stored]
+        got = fn(*args[:3], *(jnp.swapaxes(x, 1, 2).astype(dtype) for x in stored),
+                 *(jnp.full(spec.shape, 1 / 8, jnp.float32) for spec in specs[5:]))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ours(*args[:3], *eighths), np.float32),
+                                   atol=4 * 2**-8 * scale, err_msg=impl)
 
 
 def test_each_process_compiles_into_its_own_dump_directory():
