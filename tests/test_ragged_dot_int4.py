@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-import tpu_compile
 from errors import max_abs, max_error
 from ragged_dot import ops
 from ragged_dot.kernel import BlockSizes, grouped_matmul, int4_planes
-from runtime.generations import GENERATIONS
 from sampling import sample
+from test_ragged_dot_mxfp4 import assert_packed_decode_compiles
 
 # K = 2560: 20 groups of 128; with blocks of 1024 the last K step is partial (512). N = 300: the last
 # N tile partial. An empty group, rows past the groups.
@@ -200,22 +199,4 @@ def test_decode_compiles_for_v6e_reading_half_a_byte_per_weight(pass_):
     op copies either. (make test compiles the forward; the gradient's kernel runs in the tests
     above.)"""
     hidden, up = 2048, 1536
-    weights, scales = (128, hidden // 2, up), (128, hidden // GROUP, up)
-    specs = [((512, hidden), jnp.bfloat16), (weights, jnp.uint8), ((128,), jnp.int32), (scales, jnp.float32)]
-
-    def forward(lhs, rhs, sizes, scale):
-        return ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, generation="v6e", interpret=False)
-
-    def lhs_gradient(lhs, rhs, sizes, scale, cotangent):
-        return jax.vjp(lambda x: forward(x, rhs, sizes, scale), lhs)[1](cotangent)[0]
-
-    fn = forward if pass_ == "forward" else lhs_gradient
-    specs += [((512, up), jnp.bfloat16)] if pass_ == "lhs_gradient" else []
-    report = tpu_compile.compile_for(fn, specs, "v6e", "ragged_dot_tpu")
-    assert len(report.kernels) == 1, report.kernels
-    assert all(0 < k.vmem_bytes <= GENERATIONS["v6e"].vmem_bytes for k in report.kernels.values())
-    operands = [s for kernel in report.kernels.values() if kernel.schedule for s in kernel.schedule.operand_shapes]
-    held = [f"u8[{','.join(map(str, weights))}]", f"f32[{','.join(map(str, scales))}]"]
-    assert all(h in operands for h in held), operands
-    copies = [op for op in report.other_ops.values() if any(h in s for h in held for s in op.operand_shapes)]
-    assert not copies, copies
+    assert_packed_decode_compiles(pass_, 512, (128, hidden // 2, up), (128, hidden // GROUP, up), jnp.float32)

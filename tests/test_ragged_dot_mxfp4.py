@@ -189,8 +189,15 @@ def test_decode_compiles_for_v6e_reading_half_a_byte_per_weight(pass_):
     op copies either. (make test compiles the forward; the gradient's kernel runs in the tests
     above.)"""
     hidden, up = 2880, 5760
-    weights, scales = (32, hidden // 2, up), (32, ops.mxfp4_scale_rows(hidden), up)
-    specs = [((256, hidden), jnp.bfloat16), (weights, jnp.uint8), ((32,), jnp.int32), (scales, jnp.uint8)]
+    assert_packed_decode_compiles(pass_, 256, (32, hidden // 2, up), (32, ops.mxfp4_scale_rows(hidden), up), jnp.uint8)
+
+
+def assert_packed_decode_compiles(pass_, rows, weights, scales, scale_dtype):
+    """4-bit weights `weights` (uint8 [E, K / 2, N]) with scales `scales` of `scale_dtype`, `rows`
+    routed rows, forward or lhs's gradient compiled for v6e: one kernel within VMEM whose weight and
+    scale operands are the arrays in HBM, and no XLA op copies either."""
+    experts, pairs, up = weights
+    specs = [((rows, 2 * pairs), jnp.bfloat16), (weights, jnp.uint8), ((experts,), jnp.int32), (scales, scale_dtype)]
 
     def forward(lhs, rhs, sizes, scale):
         return ops.ragged_dot(lhs, rhs, sizes, rhs_scale=scale, generation="v6e", interpret=False)
@@ -199,12 +206,13 @@ def test_decode_compiles_for_v6e_reading_half_a_byte_per_weight(pass_):
         return jax.vjp(lambda x: forward(x, rhs, sizes, scale), lhs)[1](cotangent)[0]
 
     fn = forward if pass_ == "forward" else lhs_gradient
-    specs += [((256, up), jnp.bfloat16)] if pass_ == "lhs_gradient" else []
+    specs += [((rows, up), jnp.bfloat16)] if pass_ == "lhs_gradient" else []
     report = tpu_compile.compile_for(fn, specs, "v6e", "ragged_dot_tpu")
     assert len(report.kernels) == 1, report.kernels
     assert all(0 < k.vmem_bytes <= GENERATIONS["v6e"].vmem_bytes for k in report.kernels.values())
     operands = [s for kernel in report.kernels.values() if kernel.schedule for s in kernel.schedule.operand_shapes]
-    packed = [f"u8[{','.join(map(str, shape))}]" for shape in (weights, scales)]
-    assert all(p in operands for p in packed), operands
-    copies = [op for op in report.other_ops.values() if any(p in s for p in packed for s in op.operand_shapes)]
+    scale_name = "u8" if scale_dtype == jnp.uint8 else "f32"
+    held = [f"u8[{','.join(map(str, weights))}]", f"{scale_name}[{','.join(map(str, scales))}]"]
+    assert all(h in operands for h in held), operands
+    copies = [op for op in report.other_ops.values() if any(h in s for h in held for s in op.operand_shapes)]
     assert not copies, copies
