@@ -179,6 +179,9 @@ def quantized(h: Headline, args, generation: str, dtype, scaling: str, interpret
     codes and their exponents, K-major as `ops.mxfp4_weights` holds them; or (int4) packed int4 codes
     and float32 scales per group along K, as `ops.quantize_int4` returns them."""
     x, index, w, up, down = args
+    if scaling != "mxfp4":  # down_proj [E, H, I] zero-padded as quantize_experts holds it (MXFP4: as checkpoints)
+        down = jax.ShapeDtypeStruct((down.shape[0], *(-(-n // ops.DOWN_PAD) * ops.DOWN_PAD for n in down.shape[1:])),
+                                    down.dtype)
     if scaling in ("mxfp4", "int4"):  # [E, N, K] -> [E, K / 2, N] bytes and [E, K / group (padded), N] scales
         packed = lambda weight: jax.ShapeDtypeStruct((weight.shape[0], weight.shape[2] // 2, weight.shape[1]), dtype)
         rows = ops.mxfp4_scale_rows if scaling == "mxfp4" else lambda k: k // int4_group(h)
@@ -497,7 +500,9 @@ How to read it:
   swapped view, no copy), and down_proj [128, 2112, 704] as [2112, 704, 128], experts minor-most, which no
   per-expert kernel can read as held. Ours computes that projection as held (one XLA matmul over the
   whole tensor, the `in XLA ops` column) at decode and copies it before the grouped kernel past that; held
-  experts-major (as a JAX user can hold it) nothing is copied. With 16 experts per chip (the
+  experts-major (as a JAX user can hold it) nothing is copied. Quantized (int8, fp8, int4), ours holds
+  down_proj as `quantize_experts` does, zero-padded to [128, 2176, 768]: libtpu holds that experts-major
+  and the kernel reads it in place. With 16 experts per chip (the
   expert-parallel row) libtpu holds both weights swapped, and neither is copied. The other
   implementations copy or gather from both weights as held.
 - tpu-inference's fused_moe v1 (vLLM's TPU MoE kernel) compiles under our jax 0.10.2. It issues its DMAs

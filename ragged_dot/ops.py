@@ -176,10 +176,17 @@ def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, packed=False):
         raise ValueError(f"group_sizes has {groups} groups, rhs has {rhs[0]}")
 
 
+# down_proj's hidden and intermediate dims may each be zero-padded to a multiple of this: a TPU holds
+# [E, H, I] with both unaligned (Gemma 4's 2112 and 704) experts-minor, which the kernel cannot read
+# without a copy of the whole tensor per call; padded, experts-major (quantize_experts pads so).
+DOWN_PAD = 128
+
+
 def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, down_proj,
                          up_bias=(0,), down_bias=(0,), *, gated=True, transposed=False, packed=False):
     """Shapes of an experts layer: up_proj [E, U, H] (U = 2I gated, else I)
-    and down_proj [E, H, I], or [E, H, U] and [E, I, H] when transposed;
+    and down_proj [E, H, I], or [E, H, U] and [E, I, H] when transposed, its
+    H and I each optionally zero-padded to a multiple of DOWN_PAD;
     biases [E, U] and [E, H], or empty for none. packed: both weights' bytes hold two 4-bit weights
     each along the contraction (errors name the shapes as passed, and the weights they hold)."""
     tokens, hidden = _shape_of("hidden_states", hidden_states, 2)
@@ -197,9 +204,12 @@ def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, dow
     if up_in != hidden or (gated and up_out % 2):
         raise ValueError(f"{up_named} does not fit hidden_states {(tokens, hidden)} (transposed={transposed})")
     inter = up_out // 2 if gated else up_out
-    want_down = (experts, inter, hidden) if transposed else (experts, hidden, inter)
-    if down != want_down:
-        raise ValueError(f"{down_named} should hold {want_down} weights")
+    round_up = lambda n: -(-n // DOWN_PAD) * DOWN_PAD
+    arrange = lambda h, i: (experts, i, h) if transposed else (experts, h, i)
+    allowed = {arrange(h, i) for h in (hidden, round_up(hidden)) for i in (inter, round_up(inter))}
+    if down not in allowed:
+        either = f" (or zero-padded to multiples of {DOWN_PAD} in either dim)" if len(allowed) > 1 else ""
+        raise ValueError(f"{down_named} should hold {arrange(hidden, inter)} weights{either}")
     for bias_name, bias, width in ((name + "_bias", up_bias, up_out), ("down_proj_bias", down_bias, hidden)):
         if tuple(bias) not in ((0,), (experts, width)):
             raise ValueError(f"{bias_name} {tuple(bias)} should be {(experts, width)}")
@@ -461,7 +471,10 @@ def experts_forward(
     expert-parallel shard, costs nothing, contributes zero); top_k_weights
     [T, k]. up_proj is gate_up_proj [E, 2I, H] (gate then up, or interleaved)
     when gated, else up_proj [E, I, H]; down_proj [E, H, I]; with
-    `transposed` they are [E, H, U] and [E, I, H]. Biases [E, U] and [E, H]
+    `transposed` they are [E, H, U] and [E, I, H]. down_proj's H and I may
+    each be zero-padded to a multiple of 128 (`DOWN_PAD`): a TPU holds it
+    experts-major then, where with both unaligned it is held experts-minor
+    and copied every call (`quantize_experts` pads so). Biases [E, U] and [E, H]
     (None or empty: no bias). activation: a key of ACTIVATIONS, or
     CLAMPED_SWIGLU with alpha and limit. up_scale and down_scale: float32
     scales of int8 or float8_e4m3fn weights, per output channel ([E, U],
@@ -507,6 +520,12 @@ def experts_forward(
 
     h = project(x, up_proj, up_bias, up_scale)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
+    # down_proj may be zero-padded (DOWN_PAD): the activations to its intermediate, its bias to its hidden.
+    down_held = weight_shape(down_proj.shape, down_proj.dtype, not transposed)
+    down_inter, down_hidden = (down_held[1], down_held[2]) if transposed else (down_held[2], down_held[1])
+    act = jnp.pad(act, ((0, 0), (0, down_inter - act.shape[1])))
+    if down_bias is not None:
+        down_bias = jnp.pad(down_bias, ((0, 0), (0, down_hidden - down_bias.shape[1])))
     weight = jnp.where(routed_here, top_k_weights.reshape(-1)[order].astype(jnp.float32), 0)
     if down_scale is None and down_held_experts_minor(down_proj, num_tokens, generation):
         out = _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, hidden_states.dtype)
@@ -515,6 +534,7 @@ def experts_forward(
         weighted = y * weight[:, None]
         unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
         out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
+    out = out[:, :hidden_states.shape[1]]
     ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
     return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)
 

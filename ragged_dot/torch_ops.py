@@ -267,9 +267,9 @@ def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8, gr
     then take a byte each and are frozen. torch.int4: a float32 scale per `group_size` weights
     along the contraction and output channel (`ops.quantize_int4`), two codes per uint8, held
     K-major as the kernel reads them (the module is then `is_transposed`); half a byte per weight.
-    Returns how many modules were quantized. Decode gets faster where the chip holds the weights
-    experts-major (the Qwen models); Gemma 4's experts-minor down_proj is copied every call when
-    quantized, so there it gets slower (the card's table)."""
+    down_proj's hidden and intermediate dims are zero-padded to multiples of 128: a TPU holds it
+    with both unaligned (Gemma 4's 2112 and 704) experts-minor, which the kernel could only read
+    through a copy of the whole tensor every call. Returns how many modules were quantized."""
     if dtype not in _QUANTIZED_MAX and dtype != torch.int4:
         raise ValueError(f"dtype must be one of {list(_QUANTIZED_MAX) + [torch.int4]}, got {dtype}")
     count = 0
@@ -282,16 +282,20 @@ def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8, gr
             if not getattr(module, name).is_floating_point():
                 raise ValueError(f"{type(module).__name__}.{name} is {getattr(module, name).dtype}: quantize_experts "
                                  "quantizes floating-point experts (these are quantized already)")
+        weights = {name: getattr(module, name).detach().float() for name in names}
+        # down_proj's dims zero-padded to multiples of ops.DOWN_PAD: a TPU holds it experts-major then.
+        pads = [-n % ops.DOWN_PAD for n in weights["down_proj"].shape[:0:-1]]  # last dim first, as F.pad takes them
+        weights["down_proj"] = torch.nn.functional.pad(weights["down_proj"], (0, pads[0], 0, pads[1]))
         if dtype == torch.int4:
             for name in names:
-                packed, scale = _int4_experts(getattr(module, name), out_axis, group_size, f"{type(module).__name__}.{name}")
+                packed, scale = _int4_experts(weights[name], out_axis, group_size, f"{type(module).__name__}.{name}")
                 setattr(module, name, torch.nn.Parameter(packed, requires_grad=False))
                 setattr(module, name + SCALE_SUFFIX, torch.nn.Parameter(scale, requires_grad=False))
             module.is_transposed = True  # K-major, as the kernel reads 4-bit weights
             count += 1
             continue
         for name in names:
-            weight = getattr(module, name).float()
+            weight = weights[name]
             # An all-zero channel keeps a normal scale (and quantizes to zeros).
             scale = (weight.abs().amax(dim=3 - out_axis) / _QUANTIZED_MAX[dtype]).clamp(min=torch.finfo(torch.float32).tiny)
             q = weight / scale.unsqueeze(3 - out_axis)

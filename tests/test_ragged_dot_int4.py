@@ -172,6 +172,12 @@ def test_experts_forward_matches_the_dequantized_experts():
     assert max_error(grads[0], grads[1]) <= 1e-5 * max_abs(grads[1])
     with pytest.raises(ValueError, match=r"down_scale must be float32 \(G, K / group, N\) = \(4, 96 / group, 128\)"):
         ops.experts_forward(x, ids, weights, up, down, transposed=True, up_scale=up_scale, down_scale=up_scale)
+    # down_proj's intermediate zero-padded to 128 before quantizing, as quantize_experts holds it:
+    # the same layer.
+    padded, padded_scale = ops.quantize_int4(jnp.pad(down_fp32, [(0, 0), (0, 128 - inter), (0, 0)]), 32)
+    got = ops.experts_forward(x, ids, weights, up, padded, *biases, transposed=True, up_scale=up_scale,
+                              down_scale=padded_scale)
+    assert max_error(got, want) <= 1e-5 * max_abs(want)
 
 
 @pytest.mark.parametrize("change,match", [

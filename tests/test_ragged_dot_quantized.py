@@ -4,6 +4,8 @@ weights as stored and scales the fp32 products. Against jax.lax.ragged_dot over 
 weights, in interpret mode and the TPU interpreter; lhs's gradient; bad scales named; a
 decode-sized call compiled for v6e reading a byte per weight."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,11 +204,29 @@ def test_experts_forward_matches_the_dequantized_experts(transposed, per_block):
     def dequantized(x):
         return ops.experts_forward(x, index, weights, up_fp32, down_fp32, up_bias, down_bias, transposed=transposed)
 
-    got, want = quantized(x), dequantized(x)
-    assert max_error(got, want) <= 1e-5 * max_abs(want)
-    cotangent = jnp.asarray(rng.standard_normal(got.shape), jnp.float32)
-    grads = [jax.grad(lambda x: jnp.sum(f(x) * cotangent))(x) for f in (quantized, dequantized)]
-    assert max_error(grads[0], grads[1]) <= 1e-5 * max_abs(grads[1])
+    # down_proj's hidden and intermediate zero-padded to 256 and 128, as quantize_experts holds it
+    # (its block scales cover the padding already), its bias unpadded: the same layer.
+    pads = [(0, 128 - inter), (0, 256 - hidden)]
+    padded_down = jnp.pad(down, [(0, 0), *(pads if transposed else pads[::-1])])
+    # Per channel, the padding's channels have scales too (any: their weights are zero).
+    padded_scale = down_scale if per_block else jnp.pad(down_scale, [(0, 0), pads[1]], constant_values=3.0)
+
+    def padded(x):
+        return ops.experts_forward(x, index, weights, up, padded_down, up_bias, down_bias, transposed=transposed,
+                                   up_scale=up_scale, down_scale=padded_scale)
+
+    want = dequantized(x)
+    for f in (quantized, padded):
+        assert max_error(f(x), want) <= 1e-5 * max_abs(want)
+    cotangent = jnp.asarray(rng.standard_normal(want.shape), jnp.float32)
+    want_grad = jax.grad(lambda x: jnp.sum(dequantized(x) * cotangent))(x)
+    for f in (quantized, padded):
+        assert max_error(jax.grad(lambda x: jnp.sum(f(x) * cotangent))(x), want_grad) <= 1e-5 * max_abs(want_grad)
+    for bad in ([(0, 128 - inter - 1), (0, 0)], [(0, 0), (0, 256 - hidden + 8)]):  # not to the next multiple of 128
+        wrong = jnp.pad(down, [(0, 0), *(bad if transposed else bad[::-1])])
+        with pytest.raises(ValueError, match=r"down_proj .* should hold .* \(or zero-padded to multiples of 128"):
+            ops.experts_forward(x, index, weights, up, wrong, transposed=transposed, up_scale=up_scale,
+                                down_scale=padded_scale)
     with pytest.raises(ValueError, match="down_scale must be float32"):
         ops.experts_forward(x, index, weights, up, down, transposed=transposed, up_scale=up_scale,
                             down_scale=up_scale)
@@ -226,3 +246,33 @@ def test_a_byte_per_weight_cuts_tall_row_tiles():
         assert bf16.block_m == 512, bf16  # the table's entry this test is about
         quantized = tuning.choose_blocks(**case, weight_itemsize=1)
         assert (quantized.block_m, quantized.block_k, quantized.block_n) == (want_m, bf16.block_k, bf16.block_n)
+
+
+@pytest.mark.parametrize("down_dims,dtype", [((2176, 768), jnp.int8), ((2112, 704), jnp.int8), ((2176, 768), jnp.uint8)],
+                         ids=["int8_padded", "int8_unpadded", "int4_padded"])
+def test_gemma4_quantized_down_proj_is_read_as_held_on_v6e(down_dims, dtype):
+    """Gemma 4 26B-A4B's experts (hidden 2112, intermediate 704, 128 experts, top 8) at a 64-token
+    decode, int8 with a scale per channel or int4 with a scale per 64 along K. A TPU holds
+    down_proj [128, 2112, 704] (int4: [128, 352, 2112] bytes) experts-minor, both other dims
+    unaligned: the kernel can only read it through a copy of the whole tensor each call. With both
+    dims zero-padded to multiples of 128 (as quantize_experts holds it) it is held experts-major
+    and no XLA op touches it."""
+    tokens, hidden, inter, experts, top_k = 64, 2112, 704, 128, 8
+    (down_hidden, down_inter), int4 = down_dims, dtype == jnp.uint8
+    if int4:  # K-major, two codes per byte along K
+        weights = [((experts, hidden // 2, 2 * inter), dtype), ((experts, down_inter // 2, down_hidden), dtype),
+                   ((experts, hidden // 64, 2 * inter), jnp.float32), ((experts, down_inter // 64, down_hidden), jnp.float32)]
+    else:
+        weights = [((experts, 2 * inter, hidden), dtype), ((experts, down_hidden, down_inter), dtype),
+                   ((experts, 2 * inter), jnp.float32), ((experts, down_hidden), jnp.float32)]
+    specs = [((tokens, hidden), jnp.bfloat16), ((tokens, top_k), jnp.int32), ((tokens, top_k), jnp.bfloat16), *weights]
+
+    def layer(x, index, weights, up, down, up_scale, down_scale):
+        return ops.experts_forward(x, index, weights, up, down, activation="gelu_tanh", up_scale=up_scale,
+                                   down_scale=down_scale, transposed=int4, generation="v6e", interpret=False)
+
+    report = tpu_compile.compile_for(layer, specs, "v6e", "ragged_dot_tpu")
+    elements = lambda shape: math.prod(int(n) for n in shape[shape.index("[") + 1:-1].split(",") if n)
+    touching = {op: s.operand_shapes for op, s in report.other_ops.items()
+                if any(elements(shape) == math.prod(weights[1][0]) for shape in s.operand_shapes)}
+    assert bool(touching) == (down_dims == (hidden, inter)), touching

@@ -3,6 +3,7 @@ forward serves: its logits, greedy tokens and parameter gradients against
 the eager experts implementation."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -176,7 +177,8 @@ def test_gpt_oss_clamp_active():
 def _dequantized_into(eager, ours):
     """eager's experts weights set to ours' quantized ones times their scales (fp32): the model
     ours is, dequantized. int4 (uint8, two codes per byte along K, held K-major): each nibble
-    sign-extended, times its group's scale, laid out as eager holds the weight."""
+    sign-extended, times its group's scale, laid out as eager holds the weight. Past eager's shape
+    (down_proj zero-padded) ours must hold zeros."""
     pairs = [(e, o) for e, o in zip(eager.modules(), ours.modules()) if hasattr(o, "down_proj_scale_inv")]
     with torch.no_grad():
         for e, o in pairs:
@@ -187,13 +189,19 @@ def _dequantized_into(eager, ours):
                     nibbles = torch.stack([weight & 15, weight >> 4], dim=2).flatten(1, 2).to(torch.int32)
                     codes = torch.where(nibbles >= 8, nibbles - 16, nibbles).float()  # [E, K, N]
                     k_major = codes * scale.repeat_interleave(codes.shape[1] // scale.shape[1], dim=1)
-                    getattr(e, name).copy_(k_major if e.is_transposed else k_major.transpose(1, 2))
-                    continue
-                getattr(e, name).copy_(weight.float() * scale.unsqueeze(3 - out_axis))
+                    dequantized = k_major if e.is_transposed else k_major.transpose(1, 2)
+                else:
+                    dequantized = weight.float() * scale.unsqueeze(3 - out_axis)
+                held = tuple(slice(0, n) for n in getattr(e, name).shape)  # ours: down_proj zero-padded
+                padding = dequantized.clone()
+                padding[held] = 0
+                assert not padding.any(), f"{name}: past eager's shape, ours must hold zeros"
+                getattr(e, name).copy_(dequantized[held])
     return len(pairs)
 
 
 @pytest.mark.parametrize("family,dtype", [("gpt_oss", torch.int8), ("qwen3_5_moe", torch.float8_e4m3fn),
+                                          ("gemma4", torch.int8),
                                           ("qwen3_moe", torch.int8), ("qwen3_moe", torch.int4),
                                           ("gpt_oss", torch.int4)])
 def test_quantized_experts_match_their_dequantized_model(family, dtype, hub_experts):
@@ -201,22 +209,24 @@ def test_quantized_experts_match_their_dequantized_model(family, dtype, hub_expe
     module's weights into a byte each with a float32 scale per expert and output channel (int4:
     half a byte, a scale per 32 weights along the contraction); the model then gives the logits
     and greedy tokens of transformers' eager experts on the same weights dequantized (fp32; only
-    summation order differs), compiled whole in one graph too."""
+    summation order differs), compiled whole in one graph too. down_proj is held zero-padded."""
     import sys
 
     name, _ = hub_experts
     kernel = sys.modules[ALL_EXPERTS_FUNCTIONS[name].__module__.rsplit(".", 1)[0]]
     ours, eager, num_experts_modules = _models(family)
     ours.set_experts_implementation(name)
-    full_bytes = sum(p.numel() * p.element_size() for m in ours.modules() if hasattr(m, "has_gate")
-                     for n, p in m.named_parameters() if n.endswith("proj"))
+    # Weights to hold: down_proj's dims zero-padded to multiples of 128 (64 and 32 here).
+    padded = lambda shape: math.prod(-(-n // 128) * 128 if axis else n for axis, n in enumerate(shape))
+    weights_held = sum(padded(p.shape) if n == "down_proj" else p.numel() for m in ours.modules()
+                       if hasattr(m, "has_gate") for n, p in m.named_parameters() if n.endswith("proj"))
     assert kernel.quantize_experts(ours, dtype, group_size=32) == num_experts_modules
     assert _dequantized_into(eager, ours) == num_experts_modules
     quantized = [p for m in ours.modules() if hasattr(m, "has_gate") for n, p in m.named_parameters() if n.endswith("proj")]
     held = torch.uint8 if dtype == torch.int4 else dtype  # int4: two codes per byte
     assert {p.dtype for p in quantized} == {held} and not any(p.requires_grad for p in quantized)
-    per_fp32_weight = 8 if dtype == torch.int4 else 4  # half a byte, or a byte
-    assert sum(p.numel() * p.element_size() for p in quantized) * per_fp32_weight == full_bytes
+    per_weight = 0.5 if dtype == torch.int4 else 1  # bytes
+    assert sum(p.numel() * p.element_size() for p in quantized) == weights_held * per_weight
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = eager(ids).logits
