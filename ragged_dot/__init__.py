@@ -10,6 +10,6 @@ require_jax("ragged-dot-tpu")
 
 from .fp8_checkpoints import fp8_checkpoint_config  # noqa: E402
 from .mxfp4_checkpoints import mxfp4_checkpoint_config  # noqa: E402
-from .torch_ops import experts_forward, quantize_experts, ragged_dot  # noqa: E402  (after the jax check)
+from .torch_ops import experts_forward, pad_experts, quantize_experts, ragged_dot  # noqa: E402  (after the jax check)
 
-__all__ = ["ragged_dot", "experts_forward", "quantize_experts", "fp8_checkpoint_config", "mxfp4_checkpoint_config"]
+__all__ = ["ragged_dot", "experts_forward", "pad_experts", "quantize_experts", "fp8_checkpoint_config", "mxfp4_checkpoint_config"]

@@ -258,6 +258,44 @@ def _int4_experts(weight: torch.Tensor, out_axis: int, group_size: int, name: st
     return packed, scale
 
 
+def _experts_modules(model: torch.nn.Module):
+    """(module, its weights' names: gate_up_proj or up_proj, then down_proj) of every experts module."""
+    for module in model.modules():
+        names = [n for n in ("gate_up_proj", "up_proj", "down_proj") if isinstance(getattr(module, n, None), torch.nn.Parameter)]
+        if "down_proj" in names and len(names) == 2 and getattr(module, "down_proj").ndim == 3:
+            yield module, names  # (a dense MLP's down_proj is a Linear)
+
+
+def _padded_down(down_proj: torch.Tensor) -> torch.Tensor:
+    """down_proj [E, A, B] zero-padded to multiples of ops.DOWN_PAD in A and B: a TPU holds it
+    experts-major then (with both unaligned, experts-minor: copied or read whole every call)."""
+    pads = [-n % ops.DOWN_PAD for n in down_proj.shape[:0:-1]]  # the last dim first, as F.pad takes them
+    return torch.nn.functional.pad(down_proj, (0, pads[0], 0, pads[1])) if any(pads) else down_proj
+
+
+@torch.no_grad()
+def pad_experts(model: torch.nn.Module) -> int:
+    """Zero-pads every experts module's down_proj in place to multiples of 128 in its hidden and
+    intermediate dims, for `experts_forward` on a TPU. A TPU holds Gemma 4 26B-A4B's
+    [128, 2112, 704] (both dims unaligned) experts-minor, which no per-expert kernel reads in
+    place: a decode step then reads every expert's down_proj in one XLA matmul. Padded, libtpu
+    holds it experts-major and the kernel reads only the routed experts' weights. Gradients flow
+    as before (the padding's are zero). Afterwards down_proj fits only `experts_forward` (not
+    transformers' own experts implementations, nor a checkpoint's shapes). Returns how many
+    modules were padded (none where both dims are multiples of 128 already)."""
+    count = 0
+    for module, _ in _experts_modules(model):
+        down = module.down_proj
+        if not down.is_floating_point():
+            raise ValueError(f"{type(module).__name__}.down_proj is {down.dtype}: pad_experts pads floating-point "
+                             "experts (quantize_experts pads the weights it quantizes)")
+        padded = _padded_down(down.detach())
+        if padded.shape != down.shape:
+            module.down_proj = torch.nn.Parameter(padded, requires_grad=down.requires_grad)
+            count += 1
+    return count
+
+
 @torch.no_grad()
 def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8, group_size: int = 128) -> int:
     """Quantizes every experts module of `model` in place, for `experts_forward`: each expert's
@@ -273,19 +311,14 @@ def quantize_experts(model: torch.nn.Module, dtype: torch.dtype = torch.int8, gr
     if dtype not in _QUANTIZED_MAX and dtype != torch.int4:
         raise ValueError(f"dtype must be one of {list(_QUANTIZED_MAX) + [torch.int4]}, got {dtype}")
     count = 0
-    for module in model.modules():
-        names = [n for n in ("gate_up_proj", "up_proj", "down_proj") if isinstance(getattr(module, n, None), torch.nn.Parameter)]
-        if "down_proj" not in names or len(names) != 2 or getattr(module, "down_proj").ndim != 3:
-            continue  # not an experts module (a dense MLP's down_proj is a Linear)
+    for module, names in _experts_modules(model):
         out_axis = 2 if getattr(module, "is_transposed", False) else 1
         for name in names:
             if not getattr(module, name).is_floating_point():
                 raise ValueError(f"{type(module).__name__}.{name} is {getattr(module, name).dtype}: quantize_experts "
                                  "quantizes floating-point experts (these are quantized already)")
         weights = {name: getattr(module, name).detach().float() for name in names}
-        # down_proj's dims zero-padded to multiples of ops.DOWN_PAD: a TPU holds it experts-major then.
-        pads = [-n % ops.DOWN_PAD for n in weights["down_proj"].shape[:0:-1]]  # last dim first, as F.pad takes them
-        weights["down_proj"] = torch.nn.functional.pad(weights["down_proj"], (0, pads[0], 0, pads[1]))
+        weights["down_proj"] = _padded_down(weights["down_proj"])
         if dtype == torch.int4:
             for name in names:
                 packed, scale = _int4_experts(weights[name], out_axis, group_size, f"{type(module).__name__}.{name}")

@@ -252,3 +252,43 @@ def test_quantized_experts_without_their_scales_are_named():
     del experts.down_proj_scale_inv
     with torch.no_grad(), pytest.raises(ValueError, match="need gate_up_proj_scale_inv and down_proj_scale_inv"):
         ours(ids)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gpt_oss"])
+def test_padded_experts_match_eager(family, hub_experts):
+    """kernel.pad_experts (loaded with get_kernel from the built tree) zero-pads every experts
+    module's down_proj to multiples of 128 (here [8, 64, 32], gpt-oss's transposed with a bias,
+    to [8, 128, 128]); the model then gives the eager logits of the unpadded one, compiled whole
+    too, and its parameter gradients (the padding's zero, so training keeps it zero)."""
+    import sys
+
+    name, _ = hub_experts
+    kernel = sys.modules[ALL_EXPERTS_FUNCTIONS[name].__module__.rsplit(".", 1)[0]]
+    ours, eager, num_experts_modules = _models(family)
+    ours.set_experts_implementation(name)
+    assert kernel.pad_experts(ours) == num_experts_modules
+    assert {tuple(m.down_proj.shape) for m in ours.modules() if hasattr(m, "has_gate")} == {(8, 128, 128)}
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = eager(ids).logits
+        torch.testing.assert_close(ours(ids).logits, want, rtol=0, atol=1e-4)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(ours, fullgraph=True, dynamic=False)(ids).logits, want,
+                                   rtol=0, atol=1e-4)
+    ours.train(), eager.train()
+    for model in (ours, eager):
+        model(ids, labels=ids).loss.backward()
+    for (param_name, p), (_, q) in zip(ours.named_parameters(), eager.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None, param_name
+            continue
+        held = tuple(slice(0, n) for n in q.shape)
+        padding = p.grad.clone()
+        padding[held] = 0
+        assert not padding.any(), param_name
+        torch.testing.assert_close(p.grad[held], q.grad, rtol=0, atol=1e-4 * max(1.0, q.grad.abs().max().item()),
+                                   msg=param_name)
+    quantized, _, _ = _models("qwen3_moe")
+    kernel.quantize_experts(quantized, torch.int4, group_size=32)
+    with pytest.raises(ValueError, match="pad_experts pads floating-point experts"):
+        kernel.pad_experts(quantized)
