@@ -422,6 +422,7 @@ def eqn_name(eqn) -> str:
 
 
 DECODE_BYTES_GOAL = 1.05  # HBM bytes over the K/V held plus q and out, on decode batches
+EIGHT_BIT_DECODE_GOAL = 0.6  # an 8-bit cache's decode time over bf16's, same layout and batch
 
 
 OURS = {"token_major": "ours", "head_major": "ours head-major"}  # our rows' impl, by cache layout
@@ -429,7 +430,8 @@ OURS = {"token_major": "ours", "head_major": "ours head-major"}  # our rows' imp
 
 def goal_lines(rows: list[dict]) -> list[str]:
     """The goals: decode's HBM bytes against what the sequences hold, an fp8 cache's page copies
-    against a bf16 one's on the same batch, and each of our layouts (bf16) against each anchor."""
+    against a bf16 one's on the same batch, 8-bit caches' decode time against bf16's, and each of
+    our layouts (bf16) against each anchor."""
     ok = [r for r in rows if "error" not in r and r["impl"] in OURS.values()]
     decode = [r for r in ok if r["batch"].startswith("decode")]
     lines = ["## Goals", ""]
@@ -444,6 +446,14 @@ def goal_lines(rows: list[dict]) -> list[str]:
               if r["cache"] == "float8_e4m3fn" and (r["impl"], *key(r)) in bf16]
     if ratios:
         lines.append(f"- fp8 cache's page copies against bf16's on the same batch: {min(ratios):.3f} to {max(ratios):.3f}x.")
+    for cache in ("float8_e4m3fn", "int8"):
+        versus = sorted((r["modeled_us"] / bf16[(r["impl"], *key(r))]["modeled_us"], r["impl"], *key(r)) for r in decode
+                        if r["cache"] == cache and (r["impl"], *key(r)) in bf16)
+        if versus:
+            missed = [f"{', '.join(where)} ({v:.2f}x)" for v, *where in versus[::-1] if v > EIGHT_BIT_DECODE_GOAL]
+            lines.append(f"- {cache} cache's decode at most {EIGHT_BIT_DECODE_GOAL}x bf16's modeled time (same layout): "
+                         f"{versus[0][0]:.2f} to {versus[-1][0]:.2f}x, " + ("met." if not missed else
+                         f"NOT met on {len(missed)} of {len(versus)}: " + "; ".join(missed) + "."))
     best = {}
     for impl in ANCHORS:
         for r in rows:

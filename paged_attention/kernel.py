@@ -274,8 +274,11 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         for h0 in range(0, hkv, together):  # the KV heads: a page holds them all, head-minor
             heads = range(h0, h0 + together)
             q = stack([q_ref[h] for h in heads])
-            k = head_rows(k_buf, h0).astype(q.dtype)
-            v = head_rows(v_buf, h0).astype(q.dtype)
+            # An 8-bit cache goes into bf16 products as stored: Mosaic widens it on its way into the
+            # MXU, where widening an fp8 chunk first, in the vector units, costs v6e about as much
+            # again as the chunk's products. f32 products take it widened (exactly).
+            k, v = (rows_ if q.dtype == jnp.bfloat16 and rows_.dtype.itemsize == 1 else rows_.astype(q.dtype)
+                    for rows_ in (head_rows(k_buf, h0), head_rows(v_buf, h0)))
             if stored is not None:
                 v = jnp.where(stored, v, 0)
             s = jnp.where(visible, scores(q, k, score_scale, opts.softcap)[0], MASKED)
@@ -287,7 +290,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             alpha = jnp.exp2(m_prev - m_new)
             l_new = alpha * stack([l_ref[h] for h in heads]) + jnp.sum(p, axis=1, keepdims=True)
             acc_new = (lanes(alpha, acc_ref.shape[2]) * stack([acc_ref[h] for h in heads])
-                       + dot(p.astype(v.dtype), v, 1, 0))
+                       + dot(p.astype(q.dtype), v, 1, 0))
             for e, h in enumerate(heads):
                 cut = slice(e * rows, (e + 1) * rows)
                 m_ref[h], l_ref[h], acc_ref[h] = m_new[cut], l_new[cut], acc_new[cut]

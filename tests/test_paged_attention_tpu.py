@@ -51,6 +51,14 @@ MORE = [
     ("tpu7x", 16, 2, 512, 64, jnp.int8, dict(cache_layout="head_major")),
     ("v5e", 16, 2, 512, 16, jnp.bfloat16, {}),
     ("v5p", 16, 2, 512, 16, jnp.bfloat16, dict(prefill_only=True)),
+    # 8-bit caches go into the bf16 products as stored, widened in the MXU's operand path: every
+    # generation takes both (v5e's MXU has no fp8 of its own).
+    ("v5e", 32, 8, 128, 16, jnp.float8_e4m3fn, dict(cache_layout="head_major")),
+    ("v5p", 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
+    ("v5p", 32, 8, 128, 16, jnp.int8, dict(cache_layout="head_major")),
+    ("v6e", 32, 8, 128, 16, jnp.int8, {}),
+    ("tpu7x", 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
+    ("tpu7x", 32, 8, 128, 16, jnp.float8_e4m3fn, dict(cache_layout="head_major")),
 ]
 CASES = SAMPLE + (MORE if sampling.ALL_COMPILES else [])
 

@@ -67,6 +67,9 @@ def test_paged_bench_models_both_kernels_and_fp8_halves_the_page_copies(tmp_path
     # Head-major pages: the same copies, each head's rows read as whole tiles (fewer cycles).
     assert head_major["page_copy_bytes"] == bf16["page_copy_bytes"]
     assert head_major["compute_us"] < bf16["compute_us"]
+    # An 8-bit cache goes into the products as stored (Mosaic widens it inside the MXU's operand
+    # path); widened first in the vector units it cost about twice bf16's compute.
+    assert fp8["compute_us"] <= 1.2 * bf16["compute_us"] and head_major_fp8["compute_us"] <= 1.2 * head_major["compute_us"]
     # The run redraws the chart of every generation its results hold (the kept tpu7x row's too).
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["paged_attention_tpu7x.png", "paged_attention_v6e.png"]
 
@@ -146,3 +149,19 @@ def test_our_page_loops_count_each_trip(generation):
     assert long["page_copy_bytes"] * pages[0] == short["page_copy_bytes"] * pages[1]
     extra_cycles = (long["compute_us"] - short["compute_us"]) * 1e-6 * clock
     assert extra_cycles >= 16 * (pages[1] - pages[0])
+
+
+def test_goals_name_each_decode_row_an_8bit_cache_misses():
+    """The 8-bit caches' goal (decode at most 0.6x bf16's time in the same layout and batch) names
+    each row past it, the worst first; prefill batches and rows without a bf16 twin are not rated."""
+    def row(batch, cache, us, impl="ours"):
+        return dict(model="M", batch=batch, generation="v6e", cache=cache, impl=impl, modeled_us=us,
+                    page_copy_bytes=1, hbm_vs_held=1.0)
+
+    rows = [row("decode a", "bfloat16", 100.0), row("decode a", "int8", 55.0), row("decode b", "bfloat16", 100.0),
+            row("decode b", "int8", 70.0), row("decode c", "bfloat16", 100.0), row("decode c", "int8", 90.0),
+            row("mixed", "bfloat16", 100.0), row("mixed", "int8", 200.0), row("decode a", "int8", 10.0, "ours head-major")]
+    lines = paged_bench.goal_lines(rows)
+    assert ("- int8 cache's decode at most 0.6x bf16's modeled time (same layout): 0.55 to 0.90x, NOT met on 2 of 3: "
+            "ours, M, decode c, v6e (0.90x); ours, M, decode b, v6e (0.70x).") in lines, lines
+    assert not any(line.startswith("- float8_e4m3fn cache's decode") for line in lines)
