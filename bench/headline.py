@@ -145,8 +145,7 @@ PADDED = "ours, down_proj padded (pad_experts)"
 def padded_down_proj(down) -> jax.ShapeDtypeStruct:
     """down_proj [E, H, I] with H and I zero-padded to multiples of 128, as `pad_experts` and
     `quantize_experts` hold it."""
-    return jax.ShapeDtypeStruct((down.shape[0], *(-(-n // ops.DOWN_PAD) * ops.DOWN_PAD for n in down.shape[1:])),
-                                down.dtype)
+    return jax.ShapeDtypeStruct(ops.padded_down_shape(down.shape), down.dtype)
 
 
 def expert_parallel_per_chip(h: Headline, args, generation: str, shard: int = 0, interpret: bool = False):

@@ -182,6 +182,12 @@ def check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, packed=False):
 DOWN_PAD = 128
 
 
+def padded_down_shape(shape) -> tuple[int, ...]:
+    """down_proj's [E, A, B] with A and B zero-padded to multiples of DOWN_PAD (as pad_experts and
+    quantize_experts hold it)."""
+    return (shape[0], *(-(-n // DOWN_PAD) * DOWN_PAD for n in shape[1:]))
+
+
 def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, down_proj,
                          up_bias=(0,), down_bias=(0,), *, gated=True, transposed=False, packed=False):
     """Shapes of an experts layer: up_proj [E, U, H] (U = 2I gated, else I)

@@ -269,8 +269,9 @@ def _experts_modules(model: torch.nn.Module):
 def _padded_down(down_proj: torch.Tensor) -> torch.Tensor:
     """down_proj [E, A, B] zero-padded to multiples of ops.DOWN_PAD in A and B: a TPU holds it
     experts-major then (with both unaligned, experts-minor: copied or read whole every call)."""
-    pads = [-n % ops.DOWN_PAD for n in down_proj.shape[:0:-1]]  # the last dim first, as F.pad takes them
-    return torch.nn.functional.pad(down_proj, (0, pads[0], 0, pads[1])) if any(pads) else down_proj
+    _, a, b = ops.padded_down_shape(down_proj.shape)
+    pads = (0, b - down_proj.shape[2], 0, a - down_proj.shape[1])  # the last dim first, as F.pad takes them
+    return torch.nn.functional.pad(down_proj, pads) if any(pads) else down_proj
 
 
 @torch.no_grad()

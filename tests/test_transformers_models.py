@@ -192,12 +192,17 @@ def _dequantized_into(eager, ours):
                     dequantized = k_major if e.is_transposed else k_major.transpose(1, 2)
                 else:
                     dequantized = weight.float() * scale.unsqueeze(3 - out_axis)
-                held = tuple(slice(0, n) for n in getattr(e, name).shape)  # ours: down_proj zero-padded
-                padding = dequantized.clone()
-                padding[held] = 0
-                assert not padding.any(), f"{name}: past eager's shape, ours must hold zeros"
-                getattr(e, name).copy_(dequantized[held])
+                getattr(e, name).copy_(_within(dequantized, getattr(e, name).shape, name))
     return len(pairs)
+
+
+def _within(tensor, shape, name):
+    """`tensor`'s leading `shape` (ours: down_proj zero-padded past eager's), all past it zeros."""
+    held = tuple(slice(0, n) for n in shape)
+    past = tensor.clone()
+    past[held] = 0
+    assert not past.any(), f"{name}: past eager's shape {tuple(shape)}, ours must hold zeros"
+    return tensor[held]
 
 
 @pytest.mark.parametrize("family,dtype", [("gpt_oss", torch.int8), ("qwen3_5_moe", torch.float8_e4m3fn),
@@ -282,12 +287,8 @@ def test_padded_experts_match_eager(family, hub_experts):
         if q.grad is None:
             assert p.grad is None, param_name
             continue
-        held = tuple(slice(0, n) for n in q.shape)
-        padding = p.grad.clone()
-        padding[held] = 0
-        assert not padding.any(), param_name
-        torch.testing.assert_close(p.grad[held], q.grad, rtol=0, atol=1e-4 * max(1.0, q.grad.abs().max().item()),
-                                   msg=param_name)
+        torch.testing.assert_close(_within(p.grad, q.shape, param_name), q.grad, rtol=0,
+                                   atol=1e-4 * max(1.0, q.grad.abs().max().item()), msg=param_name)
     quantized, _, _ = _models("qwen3_moe")
     kernel.quantize_experts(quantized, torch.int4, group_size=32)
     with pytest.raises(ValueError, match="pad_experts pads floating-point experts"):
