@@ -210,12 +210,11 @@ def check_experts_shapes(hidden_states, top_k_index, top_k_weights, up_proj, dow
     if up_in != hidden or (gated and up_out % 2):
         raise ValueError(f"{up_named} does not fit hidden_states {(tokens, hidden)} (transposed={transposed})")
     inter = up_out // 2 if gated else up_out
-    round_up = lambda n: -(-n // DOWN_PAD) * DOWN_PAD
-    arrange = lambda h, i: (experts, i, h) if transposed else (experts, h, i)
-    allowed = {arrange(h, i) for h in (hidden, round_up(hidden)) for i in (inter, round_up(inter))}
-    if down not in allowed:
-        either = f" (or zero-padded to multiples of {DOWN_PAD} in either dim)" if len(allowed) > 1 else ""
-        raise ValueError(f"{down_named} should hold {arrange(hidden, inter)} weights{either}")
+    want = (experts, inter, hidden) if transposed else (experts, hidden, inter)
+    padded = padded_down_shape(want)
+    if not all(d in (w, p) for d, w, p in zip(down, want, padded)):
+        either = f" (or zero-padded to multiples of {DOWN_PAD} in either dim)" if padded != want else ""
+        raise ValueError(f"{down_named} should hold {want} weights{either}")
     for bias_name, bias, width in ((name + "_bias", up_bias, up_out), ("down_proj_bias", down_bias, hidden)):
         if tuple(bias) not in ((0,), (experts, width)):
             raise ValueError(f"{bias_name} {tuple(bias)} should be {(experts, width)}")

@@ -248,26 +248,27 @@ def test_a_byte_per_weight_cuts_tall_row_tiles():
         assert (quantized.block_m, quantized.block_k, quantized.block_n) == (want_m, bf16.block_k, bf16.block_n)
 
 
-@pytest.mark.parametrize("down_dims,dtype", [((2176, 768), jnp.int8), ((2112, 704), jnp.int8), ((2176, 768), jnp.uint8)],
-                         ids=["int8_padded", "int8_unpadded", "int4_padded"])
+@pytest.mark.parametrize("down_dims,dtype", [((2176, 768), jnp.int8), ((2112, 704), jnp.int8), ((2176, 768), jnp.uint8),
+                                             ((2176, 768), jnp.bfloat16)],
+                         ids=["int8_padded", "int8_unpadded", "int4_padded", "bf16_padded"])
 def test_gemma4_quantized_down_proj_is_read_as_held_on_v6e(down_dims, dtype):
     """Gemma 4 26B-A4B's experts (hidden 2112, intermediate 704, 128 experts, top 8) at a 64-token
-    decode, int8 with a scale per channel or int4 with a scale per 64 along K. A TPU holds
+    decode, int8 with a scale per channel, int4 with a scale per 64 along K, or bf16. A TPU holds
     down_proj [128, 2112, 704] (int4: [128, 352, 2112] bytes) experts-minor, both other dims
-    unaligned: the kernel can only read it through a copy of the whole tensor each call. With both
-    dims zero-padded to multiples of 128 (as quantize_experts holds it) it is held experts-major
-    and no XLA op touches it."""
+    unaligned: the kernel can only read it through a copy of the whole tensor each call (bf16:
+    one XLA matmul reads every expert's). With both dims zero-padded to multiples of 128 (as
+    quantize_experts and pad_experts hold it) it is held experts-major and no XLA op touches it."""
     tokens, hidden, inter, experts, top_k = 64, 2112, 704, 128, 8
     (down_hidden, down_inter), int4 = down_dims, dtype == jnp.uint8
     if int4:  # K-major, two codes per byte along K
         weights = [((experts, hidden // 2, 2 * inter), dtype), ((experts, down_inter // 2, down_hidden), dtype),
                    ((experts, hidden // 64, 2 * inter), jnp.float32), ((experts, down_inter // 64, down_hidden), jnp.float32)]
     else:
-        weights = [((experts, 2 * inter, hidden), dtype), ((experts, down_hidden, down_inter), dtype),
-                   ((experts, 2 * inter), jnp.float32), ((experts, down_hidden), jnp.float32)]
+        weights = [((experts, 2 * inter, hidden), dtype), ((experts, down_hidden, down_inter), dtype)]
+        weights += [((experts, 2 * inter), jnp.float32), ((experts, down_hidden), jnp.float32)] * (dtype == jnp.int8)
     specs = [((tokens, hidden), jnp.bfloat16), ((tokens, top_k), jnp.int32), ((tokens, top_k), jnp.bfloat16), *weights]
 
-    def layer(x, index, weights, up, down, up_scale, down_scale):
+    def layer(x, index, weights, up, down, up_scale=None, down_scale=None):
         return ops.experts_forward(x, index, weights, up, down, activation="gelu_tanh", up_scale=up_scale,
                                    down_scale=down_scale, transposed=int4, generation="v6e", interpret=False)
 

@@ -226,22 +226,16 @@ def test_headline_baselines_do_the_same_work():
     fp4_values = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     for impl, (dtype, scaling) in headline.QUANTIZED.items():
         fn, specs = headline.quantized(h, (hidden, index, weights, up, down), "v6e", dtype, scaling, interpret=True)
-        if scaling == "mxfp4":
+        if scaling in ("mxfp4", "int4"):  # random codes, packed as ops.mxfp4_weights and ops.quantize_int4 pack them
             codes = [rng.integers(0, 16, w.shape).astype(np.uint8) for w in args[3:]]  # [E, N, K]
-            eighths = [jnp.asarray(fp4_values[c] / 8, jnp.bfloat16) for c in codes]
+            values = fp4_values if scaling == "mxfp4" else np.where(np.arange(16) >= 8, np.arange(16) - 16,
+                                                                      np.arange(16)).astype(np.float32)
+            eighths = [jnp.asarray(values[c] / 8, jnp.bfloat16) for c in codes]
             packed = [jnp.asarray(np.swapaxes(c[..., 0::2] | (c[..., 1::2] << 4), 1, 2)) for c in codes]
-            got = fn(*args[:3], *packed, *(jnp.full(spec.shape, 124, jnp.uint8) for spec in specs[5:]))
-            want_fp4 = np.asarray(ours(*args[:3], *eighths), np.float32)
-            np.testing.assert_allclose(np.asarray(got, np.float32), want_fp4, atol=4 * 2**-8 * np.abs(want_fp4).max(),
-                                       err_msg=impl)
-            continue
-        if scaling == "int4":  # random codes -8 .. 7, every scale 1/8, packed as ops.quantize_int4 packs them
-            codes = [rng.integers(-8, 8, w.shape).astype(np.int8).view(np.uint8) & 15 for w in args[3:]]  # [E, N, K]
-            eighths = [jnp.asarray(np.where(c >= 8, c.astype(np.float32) - 16, c) / 8, jnp.bfloat16) for c in codes]
-            packed = [jnp.asarray(np.swapaxes(c[..., 0::2] | (c[..., 1::2] << 4), 1, 2)) for c in codes]
-            got = fn(*args[:3], *packed, *(jnp.full(spec.shape, 1 / 8, jnp.float32) for spec in specs[5:]))
-            want_int4 = np.asarray(ours(*args[:3], *eighths), np.float32)
-            np.testing.assert_allclose(np.asarray(got, np.float32), want_int4, atol=4 * 2**-8 * np.abs(want_int4).max(),
+            eighth = 124 if scaling == "mxfp4" else 1 / 8  # 2^-3: an e8m0 exponent, or int4's float32 scale
+            got = fn(*args[:3], *packed, *(jnp.full(spec.shape, eighth, spec.dtype) for spec in specs[5:]))
+            want_4bit = np.asarray(ours(*args[:3], *eighths), np.float32)
+            np.testing.assert_allclose(np.asarray(got, np.float32), want_4bit, atol=4 * 2**-8 * np.abs(want_4bit).max(),
                                        err_msg=impl)
             continue
         stored = [jnp.clip(jnp.round(w.astype(jnp.float32) * 8), -15, 15) for w in args[3:]]
