@@ -19,13 +19,15 @@ prefetch says which sequence it belongs to and whether it is that sequence's fir
 past the live ones (skipped). Tokens past a sequence's end within its last chunk are zeros:
 k = 0 and beta = 0 add nothing to the state and g = 0 decays nothing.
 
-Everything is computed on fp32 values whatever the input dtype, the state kept in fp32. With fp32
-inputs every product is fp32 (HIGHEST: six bf16 MXU passes), the reference's precision. With
-bf16 inputs the products take three passes, each fp32 operand split into two bf16 parts
-(`_split_dot`, its gradients likewise): about 2^-16 of each term, far below the bf16 output's
-own rounding, at half the MXU work that bounds the chunk.
+Everything is computed on fp32 values whatever the input dtype, the state kept in fp32, every
+product summed in fp32. With fp32 inputs the products' operands are fp32 too (HIGHEST: six bf16
+MXU passes), the reference's precision. With bf16 inputs they are rounded to bf16, one pass per
+product, as fla's kernels compute them on GPUs: about 2^-8 of each term, the precision of the
+inputs themselves. G, g's cumulative sum over each chunk, comes from the caller in fp32 (ops.py:
+a chunk's G reaches hundreds, where bf16 would move every decay).
 T = (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N is nilpotent: N^C = 0): log2(C) squarings on
-the MXU rather than C dependent row updates.
+the MXU rather than C dependent row updates. A grid step takes a block of heads as one batch of
+each product, so their independent chains interleave.
 
 The backward walks the same grid with the chunks in reverse, the state's gradient in VMEM
 scratch: each chunk is recomputed from the state that entered it (the forward kernel writes
@@ -46,114 +48,107 @@ from jax.experimental.pallas import tpu as pltpu
 
 F32 = jnp.float32
 EXACT = jax.lax.Precision.HIGHEST
+# The chunk kernels' VMEM limit: the backward's vjp of a block of heads keeps its intermediates in
+# VMEM, at 16 heads a step more than v5e's and v5p's default scoped limit; every generation has at
+# least 64 MiB.
+CHUNK_VMEM_LIMIT = 48 << 20
 
 
-def _dot(a, b, contract=((1,), (0,)), split: bool = False):
-    """a . b in fp32 (2-D; `contract` names the contracted dims: ((1,), (0,)) is a @ b). With
-    `split`, three single-pass MXU products (_split_dot) rather than HIGHEST's six."""
-    if split:
-        return _split_dot(a, b, contract)
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=EXACT, preferred_element_type=F32)
-
-
-def _split_product(a, b, contract):
-    """Each fp32 operand as the sum of two bf16 parts; the parts' lo x lo dropped (about 2^-16 of
-    each term)."""
-    def parts(x):
-        high = x.astype(jnp.bfloat16)
-        return high, (x - high.astype(F32)).astype(jnp.bfloat16)
-
-    (a_high, a_low), (b_high, b_low) = parts(a), parts(b)
-    dot = lambda x, y: jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=F32)
-    return dot(a_high, b_high) + (dot(a_high, b_low) + dot(a_low, b_high))
-
-
-# The gradients of a split product are split products too (jax's own transpose of a bf16 dot
-# would round the fp32 cotangent to bf16): for each contraction, (a's, b's) as
-# (ct, other, contraction) with the operands in order.
-_SPLIT_GRADIENTS = {
-    ((1,), (0,)): (lambda a, b, ct: _split_product(ct, b, ((1,), (1,))),  # a @ b
-                   lambda a, b, ct: _split_product(a, ct, ((0,), (0,)))),
-    ((1,), (1,)): (lambda a, b, ct: _split_product(ct, b, ((1,), (0,))),  # a @ b.T
-                   lambda a, b, ct: _split_product(ct, a, ((0,), (0,)))),
-    ((0,), (0,)): (lambda a, b, ct: _split_product(b, ct, ((1,), (1,))),  # a.T @ b
-                   lambda a, b, ct: _split_product(a, ct, ((1,), (0,)))),
-}
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _split_dot(a, b, contract):
-    return _split_product(a, b, contract)
-
-
-def _split_dot_forward(a, b, contract):
-    return _split_product(a, b, contract), (a, b)
-
-
-def _split_dot_backward(contract, residuals, ct):
-    a, b = residuals
-    grad_a, grad_b = _SPLIT_GRADIENTS[contract]
-    return grad_a(a, b, ct), grad_b(a, b, ct)
-
-
-_split_dot.defvjp(_split_dot_forward, _split_dot_backward)
+def _dot(a, b, contract=((2,), (1,)), low: bool = False):
+    """a . b per head, accumulated in fp32 (3-D, the heads leading; `contract` names the contracted
+    dims: ((2,), (1,)) is a @ b). `low`: the operands rounded to bf16, one MXU pass (as fla's
+    kernels on bf16 inputs); else fp32 operands (HIGHEST: six passes), the reference's precision."""
+    if low:
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    return jax.lax.dot_general(a, b, (contract, ((0,), (0,))), precision=None if low else EXACT,
+                               preferred_element_type=F32)
 
 
 def _column(row, eye):
-    """A [1, C] row as a [C, 1] column (the diagonal of eye * row, summed over lanes): no transpose."""
-    return jnp.sum(eye * row, axis=1, keepdims=True)
+    """[H, 1, C] rows as [H, C, 1] columns (the diagonal of eye * row, summed over lanes): no
+    transpose."""
+    return jnp.sum(eye * row, axis=2, keepdims=True)
 
 
-def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: int, split: bool = False):
-    """One head's chunk on fp32 values: q, k [C, dk], v [C, dv], g and beta [1, C] rows, the state
-    entering [dk, dv]. Returns the output rows [C, dv] and the state leaving. A pure function of
-    its operands: the backward kernel differentiates it (jax.vjp) rather than restating it.
-    `split`: its products in three bf16 passes (_dot), but for G's sums."""
-    dot = functools.partial(_dot, split=split)
+def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: int, low: bool = False):
+    """A block of heads' chunk on fp32 values: q, k [H, C, dk], v [H, C, dv], G (g's cumulative sum
+    over the chunk) and beta [H, 1, C] rows, the states entering [H, dk, dv]. Returns the output
+    rows [H, C, dv] and the states leaving. The heads are one batch of each product: their
+    independent chains of small matmuls interleave, overlapping each other's MXU latency. A
+    pure function of its operands: the backward kernel differentiates it (jax.vjp) rather than
+    restating it. `low`: its products on bf16 operands (_dot). Products that share an operand
+    are one matmul (rows stacked, or columns side by side): fewer operand pushes and pops."""
+    dot = functools.partial(_dot, low=low)
     if l2norm:  # as fla: x / sqrt(sum x^2 + 1e-6), in fp32
-        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
-        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=2, keepdims=True) + 1e-6)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=2, keepdims=True) + 1e-6)
     q = q * scale
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     eye = (rows == cols).astype(F32)
-    # G as a row: g times the upper-triangular ones (G_j = sum over m <= j of g_m); exact whatever
-    # `split` (a chunk's G reaches hundreds: 2^-16 of it would move every decay).
-    cum_row = _dot(g, (rows <= cols).astype(F32))
+    cum_row = g
     cum_col = _column(cum_row, eye)
     beta = _column(beta, eye)
-    causal = rows >= cols
     # exp of masked differences only: above the diagonal G_i - G_j > 0 can overflow.
-    decay = jnp.exp(jnp.where(causal, cum_col - cum_row, -jnp.inf))
+    decay = jnp.exp(jnp.where(rows >= cols, cum_col - cum_row, -jnp.inf))
     k_beta = k * beta
-    n = jnp.where(rows > cols, dot(k_beta, k, ((1,), (1,))) * decay, 0.0)
-    inverse = eye - n
+    kk_qk = dot(jnp.concatenate([k_beta, q], axis=1), k, ((2,), (2,)))  # (beta k) k^T over q k^T
+    n = jnp.where(rows > cols, kk_qk[:, :chunk] * decay, 0.0)
+    inverse = eye - n  # T, as the product of squarings above
     power = n
     for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
         power = dot(power, power)
         inverse = dot(inverse, eye + power)
-    u = dot(inverse, v * beta)
-    w = dot(inverse, k_beta * jnp.exp(cum_col))
-    v_new = u - dot(w, state)
-    scores = dot(q, k, ((1,), (1,))) * decay
-    o = dot(q * jnp.exp(cum_col), state) + dot(scores, v_new)
-    total = jnp.sum(g, axis=1, keepdims=True)  # [1, 1]: G at the chunk's last token
+    dv = v.shape[2]
+    u_w = dot(inverse, jnp.concatenate([v * beta, k_beta * jnp.exp(cum_col)], axis=2))  # u beside w
+    ws_qs = dot(jnp.concatenate([u_w[:, :, dv:], q * jnp.exp(cum_col)], axis=1), state)  # w S over (q exp(G)) S
+    v_new = u_w[:, :, :dv] - ws_qs[:, :chunk]
+    o = ws_qs[:, chunk:] + dot(kk_qk[:, chunk:] * decay, v_new)
+    total = g[:, :, chunk - 1:]  # [H, 1, 1]: G at the chunk's last token
     k_decayed = k * jnp.exp(total - cum_col)
-    return o, state * jnp.exp(total) + dot(k_decayed, v_new, ((0,), (0,)))
+    return o, state * jnp.exp(total) + dot(k_decayed, v_new, ((1,), (1,)))
 
 
-def _operands(q_ref, k_ref, v_ref, gb_ref, h, group: int):
-    """Value head h's q, k (its q/k head's: `group` value heads share one), v in fp32 and its g
-    and beta rows."""
-    gb = gb_ref[h, 0]
-    return (q_ref[h // group].astype(F32), k_ref[h // group].astype(F32), v_ref[h].astype(F32), gb[0:1],
-            gb[1:2])
+def _heads(ref, dim: int, live_rows):
+    """A [C, heads * dim] block of tokens as [heads, C, dim] fp32, rows past the array's end zero."""
+    x = ref[...]
+    x = jnp.stack([x[:, j * dim:(j + 1) * dim] for j in range(x.shape[1] // dim)]).astype(F32)
+    return x if live_rows is None else jnp.where(live_rows, x, 0.0)
+
+
+def _put_heads(ref, x):
+    """[heads, C, dim] into a [C, heads * dim] block of tokens."""
+    dim = x.shape[2]
+    for j in range(x.shape[0]):
+        ref[:, j * dim:(j + 1) * dim] = x[j].astype(ref.dtype)
+
+
+def _live_rows(config, c):
+    """[C, 1]: which rows of chunk c's block lie within the arrays (the last block of a call whose
+    token count is not a multiple of the chunk overhangs them; what it reads there is undefined),
+    or None where every block is whole."""
+    if config.tokens % config.chunk == 0:
+        return None
+    row = c * config.chunk + jax.lax.broadcasted_iota(jnp.int32, (config.chunk, 1), 0)
+    return row < config.tokens
+
+
+def _operands(config, c, q_ref, k_ref, v_ref, gb_ref):
+    """A block of value heads' q and k (their q/k heads': `group` value heads share one), v in
+    fp32 and their G and beta rows."""
+    live = _live_rows(config, c)
+    heads = gb_ref.shape[0]
+    shared = lambda x: jnp.broadcast_to(x, (heads, *x.shape[1:])) if x.shape[0] == 1 else (
+        jnp.repeat(x, config.group, axis=0))
+    gb = gb_ref[:, 0]
+    return (shared(_heads(q_ref, config.dk, live)), shared(_heads(k_ref, config.dk, live)),
+            _heads(v_ref, config.dv, live), gb[:, 0:1], gb[:, 1:2])
 
 
 def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
                   q_ref, k_ref, v_ref, gb_ref, h0_ref,  # inputs
                   o_ref, ht_ref, *refs,  # outputs (and the states entering each chunk, if asked), scratch
-                  scale: float, l2norm: bool, chunk: int, group: int):
+                  config):
     *states_ref, state_ref = refs
     c = pl.program_id(1)
     live = seq_ref[c] >= 0
@@ -169,18 +164,15 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    # bf16 inputs: the chunk's products in three bf16 passes (to about 2^-16, far below the bf16
-    # output's rounding); fp32 inputs: in fp32, as the reference.
-    split = q_ref.dtype == jnp.bfloat16
+    # bf16 inputs: the chunk's products on bf16 operands, as fla's kernels; fp32 inputs: in fp32,
+    # as the reference.
+    low = q_ref.dtype == jnp.bfloat16
 
     @pl.when(live)
     def _():
-        # The heads of a block are independent chains of small matmuls: unrolled, their MXU
-        # latencies overlap.
-        for h in range(v_ref.shape[0]):
-            o, state_ref[h] = _chunk_math(*_operands(q_ref, k_ref, v_ref, gb_ref, h, group), state_ref[h],
-                                          scale=scale, l2norm=l2norm, chunk=chunk, split=split)
-            o_ref[h] = o.astype(o_ref.dtype)
+        o, state_ref[...] = _chunk_math(*_operands(config, c, q_ref, k_ref, v_ref, gb_ref), state_ref[...],
+                                        scale=config.scale, l2norm=config.l2norm, chunk=config.chunk, low=low)
+        _put_heads(o_ref, o)
 
     @pl.when(last_ref[c] == 1)
     def _():
@@ -191,7 +183,7 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
                            q_ref, k_ref, v_ref, gb_ref, states_ref, do_ref, dht_ref,  # inputs
                            dq_ref, dk_ref, dv_ref, dgb_ref, dh0_ref,  # outputs
                            dstate_ref,  # scratch: the gradient of the state leaving the chunk
-                           *, scale: float, l2norm: bool, chunk: int, group: int):
+                           config):
     """The chunks in reverse: each chunk's gradients from the gradient of its output rows and of
     the state leaving it (the final state's gradient at a sequence's last chunk), recomputing
     the chunk from the state that entered it; the state's gradient carried to the chunk before.
@@ -210,16 +202,15 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
 
     @pl.when(live)
     def _():
-        math_of_chunk = functools.partial(_chunk_math, scale=scale, l2norm=l2norm, chunk=chunk,
-                                          split=q_ref.dtype == jnp.bfloat16)
-        for h in range(v_ref.shape[0]):
-            _, pullback = jax.vjp(math_of_chunk, *_operands(q_ref, k_ref, v_ref, gb_ref, h, group), states_ref[h])
-            dq, dk, dv, dg, dbeta, dstate_ref[h] = pullback((do_ref[h].astype(F32), dstate_ref[h]))
-            dq_ref[h] = dq.astype(dq_ref.dtype)
-            dk_ref[h] = dk.astype(dk_ref.dtype)
-            dv_ref[h] = dv.astype(dv_ref.dtype)
-            dgb_ref[h, 0, 0:1] = dg
-            dgb_ref[h, 0, 1:2] = dbeta
+        math_of_chunk = functools.partial(_chunk_math, scale=config.scale, l2norm=config.l2norm, chunk=config.chunk,
+                                          low=q_ref.dtype == jnp.bfloat16)
+        _, pullback = jax.vjp(math_of_chunk, *_operands(config, c, q_ref, k_ref, v_ref, gb_ref), states_ref[...])
+        do = _heads(do_ref, config.dv, _live_rows(config, c))
+        dq, dk, dv, dg, dbeta, dstate_ref[...] = pullback((do, dstate_ref[...]))
+        for ref, d in ((dq_ref, dq), (dk_ref, dk), (dv_ref, dv)):
+            _put_heads(ref, d)
+        dgb_ref[:, 0, 0:1] = dg
+        dgb_ref[:, 0, 1:2] = dbeta
 
     @pl.when(first_ref[c] == 1)
     def _():
@@ -233,47 +224,50 @@ class _ChunkConfig(typing.NamedTuple):
     chunk: int
     heads_per_step: int
     group: int  # value heads per q/k head
+    num_heads: int  # value heads
+    tokens: int  # rows of q, k and v
+    dk: int
+    dv: int
     interpret: bool
 
 
-def _chunk_blocks(config: _ChunkConfig, v, dk: int, reverse: bool):
-    """The (head block, chunk) grid and the blocks of a step: q's and k's tokens (the q/k heads of
-    the step's value heads, each read once), v's tokens and, per value head, dq's and dk's (the
-    backward's), g and beta, a sequence's state (chunks past the live ones stay on the last
-    sequence's block: a block an earlier step left is never revisited, where its output buffer
-    would be written back again, stale), and a chunk's state. The backward walks the chunks in
-    reverse."""
-    heads, padded, dv = v.shape
-    chunks = padded // config.chunk
-    hb, chunk, group = config.heads_per_step, config.chunk, config.group
+def _chunk_blocks(config: _ChunkConfig, chunks: int, reverse: bool):
+    """The (head block, chunk) grid and the blocks of a step: q's and k's tokens (the columns of
+    the step's value heads' q/k heads, each read once), v's tokens (and o's, do's) and, per value
+    head, dq's and dk's (the backward's), G and beta, a sequence's state (chunks past the live
+    ones stay on the last sequence's block: a block an earlier step left is never revisited,
+    where its output buffer would be written back again, stale), and a chunk's state. The
+    backward walks the chunks in reverse."""
+    hb, chunk, group, dk, dv = config.heads_per_step, config.chunk, config.group, config.dk, config.dv
     assert hb % group == 0 or group % hb == 0, (hb, group)
     shared = max(hb // group, 1)  # q/k heads a step reads
     at = (lambda c: chunks - 1 - c) if reverse else (lambda c: c)
-    tokens = lambda h, c, *_: (h, at(c), 0)
-    shared_tokens = lambda h, c, *_: (h * hb // group // shared, at(c), 0)
+    tokens = lambda h, c, *_: (at(c), h)
+    shared_tokens = lambda h, c, *_: (at(c), h * hb // group // shared)
     per_chunk = lambda h, c, *_: (h, at(c), 0, 0)
     per_seq = lambda h, c, seq, *_: (jnp.where(seq[at(c)] >= 0, seq[at(c)], config.num_seqs - 1), h, 0, 0)
-    qk = pl.BlockSpec((shared, chunk, dk), shared_tokens)
-    return ((heads // hb, chunks), [qk, qk, pl.BlockSpec((hb, chunk, dv), tokens)],
-            pl.BlockSpec((hb, chunk, dk), tokens), pl.BlockSpec((hb, 1, 2, chunk), per_chunk),
+    qk = pl.BlockSpec((chunk, shared * dk), shared_tokens)
+    return ((config.num_heads // hb, chunks), [qk, qk, pl.BlockSpec((chunk, hb * dv), tokens)],
+            pl.BlockSpec((chunk, hb * dk), tokens), pl.BlockSpec((hb, 1, 2, chunk), per_chunk),
             pl.BlockSpec((None, hb, dk, dv), per_seq), pl.BlockSpec((hb, None, dk, dv), per_chunk))
 
 
 def _pallas_call(kernel, config: _ChunkConfig, grid, in_specs, out_specs, out_shape, name: str):
     """A chunk walk: three per-chunk scalars prefetched, the heads' state (or its gradient) in VMEM
     scratch, head blocks parallel and chunks in order."""
-    heads_per_step, dk, dv = in_specs[-1].block_shape[1:]
-    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                                             scratch_shapes=[pltpu.VMEM((heads_per_step, dk, dv), F32)])
-    kernel = functools.partial(kernel, scale=config.scale, l2norm=config.l2norm, chunk=config.chunk,
-                               group=config.group)
-    return pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, name=name, interpret=config.interpret,
-                          compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((config.heads_per_step, config.dk, config.dv), F32)])
+    return pl.pallas_call(functools.partial(kernel, config=config), grid_spec=grid_spec, out_shape=out_shape,
+                          name=name, interpret=config.interpret,
+                          compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                                               vmem_limit_bytes=CHUNK_VMEM_LIMIT))
 
 
 def _chunk_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, h0, *, with_states: bool):
-    grid, qkv, _, gb_block, seq_state, chunk_state = _chunk_blocks(config, v, q.shape[2], reverse=False)
-    heads, chunks, dk, dv = v.shape[0], grid[1], q.shape[2], v.shape[2]
+    chunks = seq.shape[0]
+    grid, qkv, _, gb_block, seq_state, chunk_state = _chunk_blocks(config, chunks, reverse=False)
+    heads, dk, dv = h0.shape[1:]
     out_specs = [qkv[2], seq_state] + [chunk_state] * with_states
     out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct((config.num_seqs, heads, dk, dv), F32),
                  jax.ShapeDtypeStruct((heads, chunks, dk, dv), F32)][:len(out_specs)]
@@ -282,9 +276,9 @@ def _chunk_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, h0, *, with
 
 
 def _chunk_backward_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, states, do, dht):
-    """Gradients per value head: dq and dk [Hv, P, dk] (a q/k head's group not yet summed)."""
-    grid, qkv, per_value_head, gb_block, seq_state, chunk_state = _chunk_blocks(config, v, q.shape[2], reverse=True)
-    per_head = jax.ShapeDtypeStruct((v.shape[0], *q.shape[1:]), q.dtype)
+    """Gradients per value head: dq and dk [P, Hv * dk] (a q/k head's group not yet summed)."""
+    grid, qkv, per_value_head, gb_block, seq_state, chunk_state = _chunk_blocks(config, seq.shape[0], reverse=True)
+    per_head = jax.ShapeDtypeStruct((config.tokens, config.num_heads * config.dk), q.dtype)
     out_shape = [per_head, per_head, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (v, gb, dht))]
     return _pallas_call(_chunk_backward_kernel, config, grid, [*qkv, gb_block, chunk_state, qkv[2], seq_state],
                         [per_value_head, per_value_head, qkv[2], gb_block, seq_state], out_shape,
@@ -308,8 +302,8 @@ def _chunk_rule_backward(config, residuals, cotangents):
     _, _, states = _chunk_call(config, seq, first, last, q, k, v, gb, h0, with_states=True)
     dq, dk, dv, dgb, dh0 = _chunk_backward_call(config, seq, first, last, q, k, v, gb, states, do, dht)
     # A q/k head's gradient: the sum over the value heads sharing it (in fp32).
-    dq, dk = (d.astype(F32).reshape(q.shape[0], config.group, *q.shape[1:]).sum(axis=1).astype(q.dtype)
-              for d in (dq, dk))
+    dq, dk = (d.astype(F32).reshape(config.tokens, -1, config.group, config.dk).sum(axis=2).reshape(q.shape)
+              .astype(q.dtype) for d in (dq, dk))
     # A sequence with no chunk is never visited: its block holds nothing (ops.py passes its state
     # through, and the gradient with it).
     visited = jnp.any(seq[None, :] == jnp.arange(config.num_seqs, dtype=seq.dtype)[:, None], axis=1)
@@ -323,16 +317,20 @@ _chunk_rule.defvjp(_chunk_rule_forward, _chunk_rule_backward)
 @functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "chunk", "heads_per_step", "interpret"))
 def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool,
                   chunk: int, heads_per_step: int, interpret: bool):
-    """q, k [Hk, P, dk], v [H, P, dv] in chunk layout (P = chunks * chunk tokens; value head h takes
-    q/k head h // (H / Hk), as the models' repeat_interleave lays them out), gb [H, chunks,
-    2, chunk] fp32 (g, then beta: one block whose two rows fill its tile's lanes), h0 [num_seqs,
-    H, dk, dv] fp32; seq, first, last int32 [chunks]. A grid step takes `heads_per_step` heads
-    (a divisor of H that H / Hk divides or that divides H / Hk) of one chunk. Returns o [H, P, dv]
-    (q's dtype) and the final states
-    [num_seqs, H, dk, dv] (fp32); a sequence with no chunk keeps whatever its final state block
-    held (ops.py substitutes h0). Differentiable in q, k, v, gb and h0: the backward is a second
-    kernel walking the chunks in reverse."""
-    config = _ChunkConfig(num_seqs, scale, l2norm, chunk, heads_per_step, v.shape[0] // q.shape[0], interpret)
+    """q, k [P, Hk * dk], v [P, H * dv]: tokens in rows, heads side by side (the models' [T, heads,
+    dim] as it lies in memory), a chunk every `chunk` rows (the last one may overhang P); value
+    head h takes q/k head h // (H / Hk), as the models' repeat_interleave lays them out. gb [H,
+    chunks, 2, chunk] fp32 (G, g's cumulative sum within each chunk, then beta, 0 past P: one block
+    whose two rows fill its tile's lanes), h0 [num_seqs, H, dk, dv] fp32; seq, first, last
+    int32 [chunks]. A grid step takes `heads_per_step` heads (a divisor of H that H / Hk divides or
+    that divides H / Hk, its q/k and value columns a multiple of 128 lanes or all of them) of one
+    chunk. Returns o [P, H * dv] (q's dtype) and the final states [num_seqs, H, dk, dv] (fp32); a
+    sequence with no chunk keeps whatever its final state block held (ops.py substitutes h0).
+    Differentiable in q, k, v, gb and h0: the backward is a second kernel walking the chunks in
+    reverse."""
+    heads, dk, dv = h0.shape[1:]
+    config = _ChunkConfig(num_seqs, scale, l2norm, chunk, heads_per_step, heads // (q.shape[1] // dk), heads,
+                          q.shape[0], dk, dv, interpret)
     return _chunk_rule(config, seq, first, last, q, k, v, gb, h0)
 
 

@@ -6,8 +6,10 @@ an optional initial state [N, Hv, dk, dv], and `cu_seqlens` [N + 1] for N sequen
 in a batch of one. Hk divides Hv: value head h reads q and k head h // (Hv // Hk), as the
 models' `repeat_interleave` lays them out. It returns o [B, T, Hv, dv] in q's dtype and, with
 `output_final_state`, each sequence's final state [N, Hv, dk, dv] in fp32; everything inside
-is computed on fp32 values (kernel.py says at which precision). Packed sequences are gathered
-into their chunks; a batch's rows (no `cu_seqlens`) are only padded to whole chunks.
+is computed on fp32 values (kernel.py says at which precision). The kernel reads the tokens where
+they lie (a row of tokens, its heads side by side) when every sequence's chunks do: one sequence,
+or a batch's rows (no `cu_seqlens`) of whole chunks; otherwise (packed sequences, rows ending
+within a chunk) each sequence's tokens are gathered into chunks of its own.
 
 `fused_recurrent_gated_delta_rule` takes the same arguments and computes the same, token by
 token: for decode steps (a token or a few per sequence), where the chunked form would pad each
@@ -26,7 +28,7 @@ from ._shared.generations import default_interpret
 from .kernel import chunk_forward, decode_forward, recurrent_forward
 
 CHUNK = 64  # tokens per chunk: fla's and transformers' reference's
-HEADS_PER_STEP = 4  # heads a grid step takes, when H allows (see kernel._chunk_kernel)
+HEADS_PER_STEP = 16  # heads a grid step takes, when H allows (see kernel._chunk_kernel)
 SEQS_PER_STEP = 4  # sequences a decode grid step takes, when the batch allows (see kernel.decode_forward)
 
 
@@ -130,9 +132,11 @@ def _valid(cu, tokens: int):
     return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] <= tokens)
 
 
-def _outputs(o, final, h0, cu, tokens: int, output_final_state):
+def _outputs(o, final, h0, cu, tokens: int, output_final_state, packed: bool):
     """(o, final states or None) of the chunked kernel. A sequence with no tokens is never visited:
-    its state passes through."""
+    its state passes through. Unpacked rows are valid offsets, known when tracing."""
+    if not packed:
+        return o, (final if tokens else h0) if output_final_state else None
     valid = _valid(cu, tokens)
     o = jnp.where(valid, o, jnp.nan).astype(o.dtype)
     if not output_final_state:
@@ -147,47 +151,49 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     packed = cu_seqlens is not None
     seqs, cu, scale, interpret, h0 = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
+    hk, dk = q.shape[2:]
     total = batch * tokens
-    if packed:  # each sequence's tokens gathered into its chunks
+    # The kernel reads tokens in rows, heads side by side: [B, T, H, d] as it lies, [B T, H d].
+    rows = lambda x: jnp.asarray(x).reshape(total, -1)
+    if not packed and (batch == 1 or tokens % chunk_size == 0):  # each sequence's chunks where they lie
+        seq, first, last = even_chunk_layout(batch, tokens, chunk_size)
+        chunked, unchunked = rows, lambda o: o
+        padded = seq.shape[0] * chunk_size
+        chunked_gb = lambda x: jnp.pad(rows(x), [(0, padded - total), (0, 0)])
+    else:  # each sequence's tokens gathered into chunks of its own
         seq, first, last, token = chunk_layout(cu, total, seqs, chunk_size)
         index = token.reshape(-1)
-
-        def chunked(x):  # [B, T, H, d] -> [H, chunks * chunk, d], padding zeros
-            x = jnp.asarray(x).reshape(total, *x.shape[2:]).at[index].get(mode="fill", fill_value=0)
-            return jnp.moveaxis(x, 1, 0)
+        chunked = chunked_gb = lambda x: rows(x).at[index].get(mode="fill", fill_value=0)
 
         def unchunked(o):
-            o = jnp.zeros((total, hv, dv), out_dtype).at[index].set(jnp.moveaxis(o, 0, 1), mode="drop")
-            return o.reshape(batch, tokens, hv, dv)
-    else:  # each batch row a sequence of `tokens`: padded to whole chunks, no gather
-        seq, first, last = even_chunk_layout(batch, tokens, chunk_size)
-        padded = seq.shape[0] // batch * chunk_size
+            return jnp.zeros((total, hv * dv), o.dtype).at[index].set(o, mode="drop")
 
-        def chunked(x):
-            x = jnp.pad(jnp.asarray(x), [(0, 0), (0, padded - tokens)] + [(0, 0)] * (x.ndim - 2))
-            return jnp.moveaxis(x.reshape(batch * padded, *x.shape[2:]), 1, 0)
-
-        def unchunked(o):
-            return jnp.moveaxis(o, 0, 1).reshape(batch, padded, hv, dv)[:, :tokens].astype(out_dtype)
-
-    gb = jnp.stack([jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)], axis=-1)  # [B, T, Hv, 2]
-    gb = chunked(gb).reshape(hv, seq.shape[0], chunk_size, 2).swapaxes(2, 3)
+    chunks = seq.shape[0]
+    # [H, chunks, 2, C]: g's cumulative sum within each chunk (G), then beta, in fp32 (XLA's sums:
+    # the kernel would take them as a matmul of six passes per head and chunk).
+    per_chunk = lambda x: jnp.moveaxis(chunked_gb(jnp.asarray(x, jnp.float32)).reshape(chunks, chunk_size, hv), 2, 0)
+    gb = jnp.stack([jnp.cumsum(per_chunk(g), axis=-1), per_chunk(beta)], axis=2)
     o, final = chunk_forward(seq, first, last, chunked(q), chunked(k), chunked(v), gb, h0, num_seqs=seqs, scale=scale,
                              l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size,
-                             heads_per_step=_heads_per_step(heads_per_step, hv, hv // q.shape[2]), interpret=interpret)
-    return _outputs(unchunked(o), final, h0, cu, total, output_final_state)
+                             heads_per_step=_heads_per_step(heads_per_step, hv, hv // hk, dk, dv), interpret=interpret)
+    return _outputs(unchunked(o).reshape(batch, tokens, hv, dv), final, h0, cu, total, output_final_state, packed)
 
 
-def _heads_per_step(asked: int | None, heads: int, group: int) -> int:
+def _heads_per_step(asked: int | None, heads: int, group: int, dk: int, dv: int) -> int:
     """Value heads a chunked grid step takes: a divisor of the heads that a q/k head's group of
-    value heads divides or that divides it (a step reads whole q/k heads); by default up to
-    HEADS_PER_STEP."""
-    fits = lambda hb: heads % hb == 0 and (hb % group == 0 or group % hb == 0)
+    value heads divides or that divides it (a step reads whole q/k heads), its q/k and value
+    columns a multiple of 128 lanes or all of them (a block of a row of heads); by default up to
+    HEADS_PER_STEP, or all."""
+    def fits(hb):
+        lanes = lambda n, d: n * d % 128 == 0
+        return (heads % hb == 0 and (hb % group == 0 or group % hb == 0)
+                and (hb == heads or lanes(max(hb // group, 1), dk) and lanes(hb, dk) and lanes(hb, dv)))
     if asked is None:
-        return next(hb for hb in (math.gcd(heads, HEADS_PER_STEP), math.gcd(group, HEADS_PER_STEP)) if fits(hb))
+        return next(hb for hb in (math.gcd(heads, HEADS_PER_STEP), math.gcd(group, HEADS_PER_STEP), heads) if fits(hb))
     if asked < 1 or not fits(asked):
         raise ValueError(f"heads_per_step={asked}: a divisor of the {heads} value heads that their q/k heads' "
-                         f"groups of {group} divide or that divides {group}")
+                         f"groups of {group} divide or that divides {group}, whose q/k and value columns fill "
+                         f"whole 128-lane tiles (head dims {dk} and {dv}) unless it is all {heads}")
     return asked
 
 

@@ -27,12 +27,15 @@ import sampling  # noqa: E402
 # squarings). Measured <= 3e-7 of the largest output; 1e-5 allows for longer sums, still far
 # below what a misplaced decay or a dropped token moves (>= 1e-2 of it).
 FP32_TOLERANCE = 1e-5
-# bf16 output: one rounding of the fp32 result (2^-8 relative), twice for margin.
+# bf16 output of an fp32 computation (the recurrent rule, the convolution): one rounding (2^-8
+# relative), twice for margin.
 BF16_TOLERANCE = 2 * 2**-8
-# The fp32 state from bf16 inputs: the forward's products in three bf16 passes (kernel._dot), each
-# term to about 2^-16. Measured <= 8e-6 of the largest state entry (1.2e-6 with HIGHEST); a pass
-# dropped moves it by about 2^-9.
-BF16_STATE_TOLERANCE = 2**-15
+# bf16 inputs to the chunked rule: its products take bf16 operands with fp32 sums (as fla's kernels), each
+# operand rounded to 2^-9, a term to about 2^-8; the output is rounded once more to bf16. Measured
+# <= 3.4e-3 of the largest output and 4.4e-3 of the largest state entry (fp32) at 150 to 2048
+# tokens; 2^-7 allows twice a term's error. Structural errors are the fp32 tests' to catch; these
+# guard the precision of the sums (G's sums in bf16 move every decay: far outside).
+CHUNK_BF16_TOLERANCE = 2**-7
 
 
 def _inputs(batch, tokens, hk, hv, dk, dv, seqs=None, seed=0, dtype=np.float32):
@@ -96,10 +99,9 @@ def test_forward_matches_the_references_in_fp32(case):
         assert _error(final, want_state) <= FP32_TOLERANCE, (name, _error(final, want_state))
 
 
-def test_bf16_inputs_give_the_fp32_result_rounded_once():
-    """bf16 q, k, v and beta are computed on fp32 values (as the reference upcasts them), the
-    products in three bf16 passes: the output is the fp32 result of the same bf16 values, rounded
-    to bf16; the state stays fp32, within BF16_STATE_TOLERANCE."""
+def test_bf16_inputs_take_bf16_products_with_fp32_sums():
+    """bf16 q, k, v and beta: the products on bf16 operands with fp32 sums; the output (bf16) and
+    the state (fp32) within their tolerances of the fp32 result of the same bf16 values."""
     q, k, v, g, beta, state = _inputs(1, 150, 2, 2, 128, 128, seed=1)
     bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
     o, final = ops.chunk_gated_delta_rule(bf16(q), bf16(k), bf16(v), g, bf16(beta), initial_state=state,
@@ -107,8 +109,8 @@ def test_bf16_inputs_give_the_fp32_result_rounded_once():
     as_f32 = lambda a: np.asarray(bf16(a), np.float32)
     want_o, want_state = _torch(torch_chunk_gated_delta_rule, as_f32(q), as_f32(k), as_f32(v), g, as_f32(beta), state)
     assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
-    assert _error(o, want_o) <= BF16_TOLERANCE
-    assert _error(final, want_state) <= BF16_STATE_TOLERANCE
+    assert _error(o, want_o) <= CHUNK_BF16_TOLERANCE
+    assert _error(final, want_state) <= CHUNK_BF16_TOLERANCE
 
 
 def test_packed_sequences_keep_their_own_states():
@@ -142,8 +144,8 @@ def test_kernel_passes_the_tpu_interpreter():
 # triangular system, ours multiplies squarings). Measured <= 5e-6 of each gradient's largest (g's,
 # a sum over every later token, the loosest); 5e-5 allows longer sums, far below what a dropped
 # decay term or a state gradient not carried to the chunk before moves (>= 1e-2). From bf16 inputs
-# (products in three bf16 passes, their gradients too) g's fp32 gradient is within 5e-6 of the fp32
-# run's (2e-7 with HIGHEST; 6e-4 with one gradient product in a single pass: fails).
+# (bf16 operands, their gradients' too) every gradient is within CHUNK_BF16_TOLERANCE of the fp32
+# run's.
 GRAD_TOLERANCE = 5e-5
 
 
@@ -198,7 +200,7 @@ def test_value_heads_read_their_shared_q_and_k_head(hk, hv, heads_per_step):
     """Value head h reads q/k head h // (Hv / Hk) without a repeated copy: a step's heads sharing one
     q/k head, or each step reading several; output, states and every gradient (dq and dk summed
     over a q/k head's value heads) against the references, several head blocks per call."""
-    inputs = _inputs(1, 70, hk, hv, 32, 16, seed=13)
+    inputs = _inputs(1, 70, hk, hv, 128, 64, seed=13)  # head dims whose blocks of heads fill 128 lanes
     o, final = ops.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True,
                                           heads_per_step=heads_per_step, interpret=True)
     want_o, want_state = _torch(torch_chunk_gated_delta_rule, *inputs, l2norm=False)
@@ -221,7 +223,8 @@ def test_gradients_of_packed_sequences_and_bf16():
     """Packed sequences (one empty, chunks past the live ones: the bound is 5, 4 live), each
     sequence's gradients those of the reference on it alone; the empty sequence's initial state
     gets its final state's gradient (the state passes through). bf16 q, k, v and beta get their
-    gradients in bf16: the fp32 ones of the same values, rounded once; g's and the state's stay fp32."""
+    gradients in bf16, g's and the state's in fp32, each within CHUNK_BF16_TOLERANCE of the fp32 run
+    on the same values."""
     cu = np.array([0, 70, 70, 200], np.int32)
     inputs = _inputs(1, 200, 2, 4, 32, 16, seqs=3, seed=13)
     do, dht = _cotangents(inputs, seed=14)
@@ -244,7 +247,7 @@ def test_gradients_of_packed_sequences_and_bf16():
     exact = _gradients(bf16(q), bf16(k), bf16(v), g, bf16(beta), state, bf16(do), dht, cu_seqlens=jnp.asarray(cu))
     for name, x, w in zip(("q", "k", "v", "g", "beta", "initial_state"), low, exact):
         assert x.dtype == (jnp.float32 if name in ("g", "initial_state") else jnp.bfloat16), name
-        assert _error(x, np.asarray(w)) <= (BF16_TOLERANCE if x.dtype == jnp.bfloat16 else GRAD_TOLERANCE), name
+        assert _error(x, np.asarray(w)) <= CHUNK_BF16_TOLERANCE, (name, _error(x, np.asarray(w)))
 
 
 def test_backward_passes_the_tpu_interpreter():
@@ -443,7 +446,7 @@ def test_torch_entry_point_as_transformers_calls_it():
     assert none is None and o16.dtype == torch.bfloat16
     o32, _ = torch_ops.chunk_gated_delta_rule(*(bf16(x).float() for x in (q, k, v)), t(g), bf16(beta).float(),
                                               cu_seqlens=t(cu), use_qk_l2norm_in_kernel=True)
-    assert _error(o16.float().numpy(), o32.numpy()) <= BF16_TOLERANCE
+    assert _error(o16.float().numpy(), o32.numpy()) <= CHUNK_BF16_TOLERANCE
 
 
 def test_torch_recurrent_entry_point_as_transformers_decode_calls_it():
