@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 import typing
@@ -97,7 +98,10 @@ def ours(case: Case, generation: str) -> Program:
     step) or the recurrent one (decode)."""
     from gated_delta_rule import ops
 
-    rule = ops.fused_recurrent_gated_delta_rule if case.phase == "decode" else ops.chunk_gated_delta_rule
+    if case.phase == "decode":
+        rule = ops.fused_recurrent_gated_delta_rule
+    else:  # its heads per step chosen for the generation's cores
+        rule = functools.partial(ops.chunk_gated_delta_rule, generation=generation)
 
     def forward(q, k, v, g, beta, h0):
         return rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,

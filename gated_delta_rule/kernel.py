@@ -49,9 +49,9 @@ from jax.experimental.pallas import tpu as pltpu
 F32 = jnp.float32
 EXACT = jax.lax.Precision.HIGHEST
 # The chunk kernels' VMEM limit: the backward's vjp of a block of heads keeps its intermediates in
-# VMEM, at 16 heads a step more than v5e's and v5p's default scoped limit; every generation has at
-# least 64 MiB.
-CHUNK_VMEM_LIMIT = 48 << 20
+# VMEM, at 32 heads a step (ops.HEADS_PER_STEP) most of this, far above the default scoped limits;
+# every generation has at least 64 MiB.
+CHUNK_VMEM_LIMIT = 56 << 20
 
 
 def _dot(a, b, contract=((2,), (1,)), low: bool = False):
@@ -109,18 +109,15 @@ def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: i
     return o, state * jnp.exp(total) + dot(k_decayed, v_new, ((1,), (1,)))
 
 
-def _heads(ref, dim: int, live_rows):
-    """A [C, heads * dim] block of tokens as [heads, C, dim] fp32, rows past the array's end zero."""
-    x = ref[...]
-    x = jnp.stack([x[:, j * dim:(j + 1) * dim] for j in range(x.shape[1] // dim)]).astype(F32)
+def _heads(ref, live_rows):
+    """A [C, heads, dim] block of tokens as [heads, C, dim] fp32, rows past the array's end zero."""
+    x = jnp.swapaxes(ref[...].astype(F32), 0, 1)
     return x if live_rows is None else jnp.where(live_rows, x, 0.0)
 
 
 def _put_heads(ref, x):
-    """[heads, C, dim] into a [C, heads * dim] block of tokens."""
-    dim = x.shape[2]
-    for j in range(x.shape[0]):
-        ref[:, j * dim:(j + 1) * dim] = x[j].astype(ref.dtype)
+    """[heads, C, dim] into a [C, heads, dim] block of tokens."""
+    ref[...] = jnp.swapaxes(x, 0, 1).astype(ref.dtype)
 
 
 def _live_rows(config, c):
@@ -133,16 +130,23 @@ def _live_rows(config, c):
     return row < config.tokens
 
 
-def _operands(config, c, q_ref, k_ref, v_ref, gb_ref):
+def _operands(config, head_block, c, q_ref, k_ref, v_ref, gb_ref):
     """A block of value heads' q and k (their q/k heads': `group` value heads share one), v in
-    fp32 and their G and beta rows."""
+    fp32 and their G and beta rows. q's and k's blocks hold every q/k head: the step's are chosen
+    among the head blocks' by the step's head block (the grid's first index)."""
     live = _live_rows(config, c)
-    heads = gb_ref.shape[0]
-    shared = lambda x: jnp.broadcast_to(x, (heads, *x.shape[1:])) if x.shape[0] == 1 else (
-        jnp.repeat(x, config.group, axis=0))
+    hb, group = config.heads_per_step, config.group
+    shared = max(hb // group, 1)  # q/k heads of the step's value heads
+    blocks = config.num_heads // hb
+
+    def step_heads(x):  # [Hk, C, dk] -> the step's value heads' [hb, C, dk]
+        if blocks > 1:
+            x = sum(jnp.where(head_block == b, x[b * hb // group:b * hb // group + shared], 0.0) for b in range(blocks))
+        return jnp.broadcast_to(x, (hb, *x.shape[1:])) if shared == 1 else jnp.repeat(x, group, axis=0)
+
     gb = gb_ref[:, 0]
-    return (shared(_heads(q_ref, config.dk, live)), shared(_heads(k_ref, config.dk, live)),
-            _heads(v_ref, config.dv, live), gb[:, 0:1], gb[:, 1:2])
+    return (step_heads(_heads(q_ref, live)), step_heads(_heads(k_ref, live)), _heads(v_ref, live), gb[:, 0:1],
+            gb[:, 1:2])
 
 
 def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
@@ -150,7 +154,7 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
                   o_ref, ht_ref, *refs,  # outputs (and the states entering each chunk, if asked), scratch
                   config):
     *states_ref, state_ref = refs
-    c = pl.program_id(1)
+    head_block, c = pl.program_id(0), pl.program_id(1)
     live = seq_ref[c] >= 0
 
     @pl.when(first_ref[c] == 1)
@@ -170,7 +174,7 @@ def _chunk_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per chunk
 
     @pl.when(live)
     def _():
-        o, state_ref[...] = _chunk_math(*_operands(config, c, q_ref, k_ref, v_ref, gb_ref), state_ref[...],
+        o, state_ref[...] = _chunk_math(*_operands(config, head_block, c, q_ref, k_ref, v_ref, gb_ref), state_ref[...],
                                         scale=config.scale, l2norm=config.l2norm, chunk=config.chunk, low=low)
         _put_heads(o_ref, o)
 
@@ -188,7 +192,7 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
     the state leaving it (the final state's gradient at a sequence's last chunk), recomputing
     the chunk from the state that entered it; the state's gradient carried to the chunk before.
     dq and dk are per value head (the caller sums a q/k head's group)."""
-    c = pl.num_programs(1) - 1 - pl.program_id(1)
+    head_block, c = pl.program_id(0), pl.num_programs(1) - 1 - pl.program_id(1)
     live = seq_ref[c] >= 0
 
     @pl.when(last_ref[c] == 1)
@@ -204,8 +208,8 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
     def _():
         math_of_chunk = functools.partial(_chunk_math, scale=config.scale, l2norm=config.l2norm, chunk=config.chunk,
                                           low=q_ref.dtype == jnp.bfloat16)
-        _, pullback = jax.vjp(math_of_chunk, *_operands(config, c, q_ref, k_ref, v_ref, gb_ref), states_ref[...])
-        do = _heads(do_ref, config.dv, _live_rows(config, c))
+        _, pullback = jax.vjp(math_of_chunk, *_operands(config, head_block, c, q_ref, k_ref, v_ref, gb_ref), states_ref[...])
+        do = _heads(do_ref, _live_rows(config, c))
         dq, dk, dv, dg, dbeta, dstate_ref[...] = pullback((do, dstate_ref[...]))
         for ref, d in ((dq_ref, dq), (dk_ref, dk), (dv_ref, dv)):
             _put_heads(ref, d)
@@ -232,23 +236,22 @@ class _ChunkConfig(typing.NamedTuple):
 
 
 def _chunk_blocks(config: _ChunkConfig, chunks: int, reverse: bool):
-    """The (head block, chunk) grid and the blocks of a step: q's and k's tokens (the columns of
-    the step's value heads' q/k heads, each read once), v's tokens (and o's, do's) and, per value
+    """The (head block, chunk) grid and the blocks of a step: q's and k's tokens (every q/k head:
+    a block of heads must fill whole sublane tiles), v's tokens (and o's, do's) and, per value
     head, dq's and dk's (the backward's), G and beta, a sequence's state (chunks past the live
     ones stay on the last sequence's block: a block an earlier step left is never revisited,
     where its output buffer would be written back again, stale), and a chunk's state. The
     backward walks the chunks in reverse."""
     hb, chunk, group, dk, dv = config.heads_per_step, config.chunk, config.group, config.dk, config.dv
     assert hb % group == 0 or group % hb == 0, (hb, group)
-    shared = max(hb // group, 1)  # q/k heads a step reads
     at = (lambda c: chunks - 1 - c) if reverse else (lambda c: c)
-    tokens = lambda h, c, *_: (at(c), h)
-    shared_tokens = lambda h, c, *_: (at(c), h * hb // group // shared)
+    tokens = lambda h, c, *_: (at(c), h, 0)
+    every_head = lambda h, c, *_: (at(c), 0, 0)
     per_chunk = lambda h, c, *_: (h, at(c), 0, 0)
     per_seq = lambda h, c, seq, *_: (jnp.where(seq[at(c)] >= 0, seq[at(c)], config.num_seqs - 1), h, 0, 0)
-    qk = pl.BlockSpec((chunk, shared * dk), shared_tokens)
-    return ((config.num_heads // hb, chunks), [qk, qk, pl.BlockSpec((chunk, hb * dv), tokens)],
-            pl.BlockSpec((chunk, hb * dk), tokens), pl.BlockSpec((hb, 1, 2, chunk), per_chunk),
+    qk = pl.BlockSpec((chunk, config.num_heads // group, dk), every_head)
+    return ((config.num_heads // hb, chunks), [qk, qk, pl.BlockSpec((chunk, hb, dv), tokens)],
+            pl.BlockSpec((chunk, hb, dk), tokens), pl.BlockSpec((hb, 1, 2, chunk), per_chunk),
             pl.BlockSpec((None, hb, dk, dv), per_seq), pl.BlockSpec((hb, None, dk, dv), per_chunk))
 
 
@@ -276,9 +279,9 @@ def _chunk_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, h0, *, with
 
 
 def _chunk_backward_call(config: _ChunkConfig, seq, first, last, q, k, v, gb, states, do, dht):
-    """Gradients per value head: dq and dk [P, Hv * dk] (a q/k head's group not yet summed)."""
+    """Gradients per value head: dq and dk [P, Hv, dk] (a q/k head's group not yet summed)."""
     grid, qkv, per_value_head, gb_block, seq_state, chunk_state = _chunk_blocks(config, seq.shape[0], reverse=True)
-    per_head = jax.ShapeDtypeStruct((config.tokens, config.num_heads * config.dk), q.dtype)
+    per_head = jax.ShapeDtypeStruct((config.tokens, config.num_heads, config.dk), q.dtype)
     out_shape = [per_head, per_head, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (v, gb, dht))]
     return _pallas_call(_chunk_backward_kernel, config, grid, [*qkv, gb_block, chunk_state, qkv[2], seq_state],
                         [per_value_head, per_value_head, qkv[2], gb_block, seq_state], out_shape,
@@ -317,19 +320,19 @@ _chunk_rule.defvjp(_chunk_rule_forward, _chunk_rule_backward)
 @functools.partial(jax.jit, static_argnames=("num_seqs", "scale", "l2norm", "chunk", "heads_per_step", "interpret"))
 def chunk_forward(seq, first, last, q, k, v, gb, h0, *, num_seqs: int, scale: float, l2norm: bool,
                   chunk: int, heads_per_step: int, interpret: bool):
-    """q, k [P, Hk * dk], v [P, H * dv]: tokens in rows, heads side by side (the models' [T, heads,
-    dim] as it lies in memory), a chunk every `chunk` rows (the last one may overhang P); value
+    """q, k [P, Hk, dk], v [P, H, dv] (the models' [B, T, heads, dim], B and T merged: as libtpu
+    lays them out), a chunk every `chunk` tokens (the last one may overhang P); value
     head h takes q/k head h // (H / Hk), as the models' repeat_interleave lays them out. gb [H,
     chunks, 2, chunk] fp32 (G, g's cumulative sum within each chunk, then beta, 0 past P: one block
     whose two rows fill its tile's lanes), h0 [num_seqs, H, dk, dv] fp32; seq, first, last
     int32 [chunks]. A grid step takes `heads_per_step` heads (a divisor of H that H / Hk divides or
-    that divides H / Hk, its q/k and value columns a multiple of 128 lanes or all of them) of one
-    chunk. Returns o [P, H * dv] (q's dtype) and the final states [num_seqs, H, dk, dv] (fp32); a
+    that divides H / Hk, a multiple of 16 or all of them: whole sublane tiles) of one chunk.
+    Returns o [P, H, dv] (q's dtype) and the final states [num_seqs, H, dk, dv] (fp32); a
     sequence with no chunk keeps whatever its final state block held (ops.py substitutes h0).
     Differentiable in q, k, v, gb and h0: the backward is a second kernel walking the chunks in
     reverse."""
     heads, dk, dv = h0.shape[1:]
-    config = _ChunkConfig(num_seqs, scale, l2norm, chunk, heads_per_step, heads // (q.shape[1] // dk), heads,
+    config = _ChunkConfig(num_seqs, scale, l2norm, chunk, heads_per_step, heads // q.shape[1], heads,
                           q.shape[0], dk, dv, interpret)
     return _chunk_rule(config, seq, first, last, q, k, v, gb, h0)
 

@@ -7,7 +7,7 @@ in a batch of one. Hk divides Hv: value head h reads q and k head h // (Hv // Hk
 models' `repeat_interleave` lays them out. It returns o [B, T, Hv, dv] in q's dtype and, with
 `output_final_state`, each sequence's final state [N, Hv, dk, dv] in fp32; everything inside
 is computed on fp32 values (kernel.py says at which precision). The kernel reads the tokens where
-they lie (a row of tokens, its heads side by side) when every sequence's chunks do: one sequence,
+they lie when every sequence's chunks do: one sequence,
 or a batch's rows (no `cu_seqlens`) of whole chunks; otherwise (packed sequences, rows ending
 within a chunk) each sequence's tokens are gathered into chunks of its own.
 
@@ -24,11 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._shared.generations import default_interpret
+from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from .kernel import chunk_forward, decode_forward, recurrent_forward
 
 CHUNK = 64  # tokens per chunk: fla's and transformers' reference's
-HEADS_PER_STEP = 16  # heads a grid step takes, when H allows (see kernel._chunk_kernel)
+# Most heads a chunked grid step takes (their products batched, see kernel._chunk_kernel): more
+# interleave more chains, but the backward's VMEM grows with them.
+HEADS_PER_STEP = 32
 SEQS_PER_STEP = 4  # sequences a decode grid step takes, when the batch allows (see kernel.decode_forward)
 
 
@@ -146,15 +148,15 @@ def _outputs(o, final, h0, cu, tokens: int, output_final_state, packed: bool):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size: int = CHUNK,
-                           heads_per_step: int | None = None, interpret=None):
+                           heads_per_step: int | None = None, generation: str | None = None, interpret=None):
     out_dtype = q.dtype
     packed = cu_seqlens is not None
     seqs, cu, scale, interpret, h0 = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
     hk, dk = q.shape[2:]
     total = batch * tokens
-    # The kernel reads tokens in rows, heads side by side: [B, T, H, d] as it lies, [B T, H d].
-    rows = lambda x: jnp.asarray(x).reshape(total, -1)
+    # The kernel reads [B, T, H, d] as it lies, B and T merged.
+    rows = lambda x: jnp.asarray(x).reshape(total, *x.shape[2:])
     if not packed and (batch == 1 or tokens % chunk_size == 0):  # each sequence's chunks where they lie
         seq, first, last = even_chunk_layout(batch, tokens, chunk_size)
         chunked, unchunked = rows, lambda o: o
@@ -166,7 +168,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         chunked = chunked_gb = lambda x: rows(x).at[index].get(mode="fill", fill_value=0)
 
         def unchunked(o):
-            return jnp.zeros((total, hv * dv), o.dtype).at[index].set(o, mode="drop")
+            return jnp.zeros((total, hv, dv), o.dtype).at[index].set(o, mode="drop")
 
     chunks = seq.shape[0]
     # [H, chunks, 2, C]: g's cumulative sum within each chunk (G), then beta, in fp32 (XLA's sums:
@@ -175,25 +177,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     gb = jnp.stack([jnp.cumsum(per_chunk(g), axis=-1), per_chunk(beta)], axis=2)
     o, final = chunk_forward(seq, first, last, chunked(q), chunked(k), chunked(v), gb, h0, num_seqs=seqs, scale=scale,
                              l2norm=bool(use_qk_l2norm_in_kernel), chunk=chunk_size,
-                             heads_per_step=_heads_per_step(heads_per_step, hv, hv // hk, dk, dv), interpret=interpret)
+                             heads_per_step=_heads_per_step(heads_per_step, hv, hv // hk, generation),
+                             interpret=interpret)
     return _outputs(unchunked(o).reshape(batch, tokens, hv, dv), final, h0, cu, total, output_final_state, packed)
 
 
-def _heads_per_step(asked: int | None, heads: int, group: int, dk: int, dv: int) -> int:
+def _heads_per_step(asked: int | None, heads: int, group: int, generation: str | None) -> int:
     """Value heads a chunked grid step takes: a divisor of the heads that a q/k head's group of
-    value heads divides or that divides it (a step reads whole q/k heads), its q/k and value
-    columns a multiple of 128 lanes or all of them (a block of a row of heads); by default up to
-    HEADS_PER_STEP, or all."""
+    value heads divides or that divides it (a step reads whole q/k heads), a multiple of 16 or all
+    of them (a block of heads fills whole sublane tiles, bf16's or fp32's). By default the most up
+    to HEADS_PER_STEP, leaving a block for each core of a megacore where one fits."""
     def fits(hb):
-        lanes = lambda n, d: n * d % 128 == 0
-        return (heads % hb == 0 and (hb % group == 0 or group % hb == 0)
-                and (hb == heads or lanes(max(hb // group, 1), dk) and lanes(hb, dk) and lanes(hb, dv)))
+        return heads % hb == 0 and (hb % group == 0 or group % hb == 0) and (hb == heads or hb % 16 == 0)
     if asked is None:
-        return next(hb for hb in (math.gcd(heads, HEADS_PER_STEP), math.gcd(group, HEADS_PER_STEP), heads) if fits(hb))
+        cores = GENERATIONS[generation or current_generation().name].cores_per_device
+        candidates = [hb for hb in range(min(heads, HEADS_PER_STEP), 0, -1) if fits(hb)] or [heads]
+        return next((hb for hb in candidates if heads // hb >= cores), candidates[0])
     if asked < 1 or not fits(asked):
         raise ValueError(f"heads_per_step={asked}: a divisor of the {heads} value heads that their q/k heads' "
-                         f"groups of {group} divide or that divides {group}, whose q/k and value columns fill "
-                         f"whole 128-lane tiles (head dims {dk} and {dv}) unless it is all {heads}")
+                         f"groups of {group} divide or that divides {group}, a multiple of 16 unless it is all "
+                         f"{heads}")
     return asked
 
 

@@ -194,13 +194,13 @@ def test_gradients_match_the_reference_in_fp32(case):
         assert a.dtype == jnp.float32 and _error(a, b) <= GRAD_TOLERANCE, (name, _error(a, b))
 
 
-@pytest.mark.parametrize("hk,hv,heads_per_step", [(2, 8, 2), (4, 8, 4), (2, 6, None)],
-                         ids=["group_of_4_over_steps", "two_shared_per_step", "group_of_3_by_default"])
+@pytest.mark.parametrize("hk,hv,heads_per_step", [(2, 32, 16), (4, 32, 16), (2, 6, None)],
+                         ids=["one_shared_per_step", "two_shared_per_step", "group_of_3_by_default"])
 def test_value_heads_read_their_shared_q_and_k_head(hk, hv, heads_per_step):
     """Value head h reads q/k head h // (Hv / Hk) without a repeated copy: a step's heads sharing one
     q/k head, or each step reading several; output, states and every gradient (dq and dk summed
     over a q/k head's value heads) against the references, several head blocks per call."""
-    inputs = _inputs(1, 70, hk, hv, 128, 64, seed=13)  # head dims whose blocks of heads fill 128 lanes
+    inputs = _inputs(1, 70, hk, hv, 32, 16, seed=13)
     o, final = ops.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True,
                                           heads_per_step=heads_per_step, interpret=True)
     want_o, want_state = _torch(torch_chunk_gated_delta_rule, *inputs, l2norm=False)
@@ -217,6 +217,9 @@ def test_heads_per_step_that_splits_a_q_k_heads_group_is_named():
     with pytest.raises(ValueError, match="heads_per_step=2: a divisor of the 6 value heads that their q/k heads' "
                                          "groups of 3 divide or that divides 3"):
         ops.chunk_gated_delta_rule(*inputs[:5], heads_per_step=2, interpret=True)
+    inputs = _inputs(1, 20, 2, 32, 16, 8)  # a block of 8 heads would fill half a bf16 sublane tile
+    with pytest.raises(ValueError, match="heads_per_step=8: .* a multiple of 16 unless it is all 32"):
+        ops.chunk_gated_delta_rule(*inputs[:5], heads_per_step=8, interpret=True)
 
 
 def test_gradients_of_packed_sequences_and_bf16():
