@@ -70,7 +70,7 @@ def _column(row, eye):
     return jnp.sum(eye * row, axis=2, keepdims=True)
 
 
-def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: int, low: bool = False):
+def _chunk_math(q, k, v, cum_row, beta, state, *, scale: float, l2norm: bool, chunk: int, low: bool = False):
     """A block of heads' chunk on fp32 values: q, k [H, C, dk], v [H, C, dv], G (g's cumulative sum
     over the chunk) and beta [H, 1, C] rows, the states entering [H, dk, dv]. Returns the output
     rows [H, C, dv] and the states leaving. The heads are one batch of each product: their
@@ -86,7 +86,6 @@ def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: i
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     eye = (rows == cols).astype(F32)
-    cum_row = g
     cum_col = _column(cum_row, eye)
     beta = _column(beta, eye)
     # exp of masked differences only: above the diagonal G_i - G_j > 0 can overflow.
@@ -94,7 +93,7 @@ def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: i
     k_beta = k * beta
     kk_qk = dot(jnp.concatenate([k_beta, q], axis=1), k, ((2,), (2,)))  # (beta k) k^T over q k^T
     n = jnp.where(rows > cols, kk_qk[:, :chunk] * decay, 0.0)
-    inverse = eye - n  # T, as the product of squarings above
+    inverse = eye - n  # T, as the product of squarings the module's docstring gives
     power = n
     for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
         power = dot(power, power)
@@ -104,7 +103,7 @@ def _chunk_math(q, k, v, g, beta, state, *, scale: float, l2norm: bool, chunk: i
     ws_qs = dot(jnp.concatenate([u_w[:, :, dv:], q * jnp.exp(cum_col)], axis=1), state)  # w S over (q exp(G)) S
     v_new = u_w[:, :, :dv] - ws_qs[:, :chunk]
     o = ws_qs[:, chunk:] + dot(kk_qk[:, chunk:] * decay, v_new)
-    total = g[:, :, chunk - 1:]  # [H, 1, 1]: G at the chunk's last token
+    total = cum_row[:, :, chunk - 1:]  # [H, 1, 1]: G at the chunk's last token
     k_decayed = k * jnp.exp(total - cum_col)
     return o, state * jnp.exp(total) + dot(k_decayed, v_new, ((1,), (1,)))
 
@@ -208,7 +207,8 @@ def _chunk_backward_kernel(seq_ref, first_ref, last_ref,  # scalar prefetch, per
     def _():
         math_of_chunk = functools.partial(_chunk_math, scale=config.scale, l2norm=config.l2norm, chunk=config.chunk,
                                           low=q_ref.dtype == jnp.bfloat16)
-        _, pullback = jax.vjp(math_of_chunk, *_operands(config, head_block, c, q_ref, k_ref, v_ref, gb_ref), states_ref[...])
+        operands = _operands(config, head_block, c, q_ref, k_ref, v_ref, gb_ref)
+        _, pullback = jax.vjp(math_of_chunk, *operands, states_ref[...])
         do = _heads(do_ref, _live_rows(config, c))
         dq, dk, dv, dg, dbeta, dstate_ref[...] = pullback((do, dstate_ref[...]))
         for ref, d in ((dq_ref, dq), (dk_ref, dk), (dv_ref, dv)):

@@ -7,9 +7,9 @@ in a batch of one. Hk divides Hv: value head h reads q and k head h // (Hv // Hk
 models' `repeat_interleave` lays them out. It returns o [B, T, Hv, dv] in q's dtype and, with
 `output_final_state`, each sequence's final state [N, Hv, dk, dv] in fp32; everything inside
 is computed on fp32 values (kernel.py says at which precision). The kernel reads the tokens where
-they lie when every sequence's chunks do: one sequence,
-or a batch's rows (no `cu_seqlens`) of whole chunks; otherwise (packed sequences, rows ending
-within a chunk) each sequence's tokens are gathered into chunks of its own.
+they lie when every sequence's chunks do: one sequence, or a batch's rows (no `cu_seqlens`) of
+whole chunks; otherwise (packed sequences, rows ending within a chunk) each sequence's tokens are
+gathered into chunks of its own.
 
 `fused_recurrent_gated_delta_rule` takes the same arguments and computes the same, token by
 token: for decode steps (a token or a few per sequence), where the chunked form would pad each
@@ -17,8 +17,6 @@ sequence to a chunk.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -136,9 +134,10 @@ def _valid(cu, tokens: int):
 
 def _outputs(o, final, h0, cu, tokens: int, output_final_state, packed: bool):
     """(o, final states or None) of the chunked kernel. A sequence with no tokens is never visited:
-    its state passes through. Unpacked rows are valid offsets, known when tracing."""
+    its state passes through. Unpacked rows are valid offsets, each a sequence of one token or
+    more, known when tracing."""
     if not packed:
-        return o, (final if tokens else h0) if output_final_state else None
+        return o, final if output_final_state else None
     valid = _valid(cu, tokens)
     o = jnp.where(valid, o, jnp.nan).astype(o.dtype)
     if not output_final_state:
@@ -149,12 +148,13 @@ def _outputs(o, final, h0, cu, tokens: int, output_final_state, packed: bool):
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size: int = CHUNK,
                            heads_per_step: int | None = None, generation: str | None = None, interpret=None):
-    out_dtype = q.dtype
     packed = cu_seqlens is not None
     seqs, cu, scale, interpret, h0 = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
     hk, dk = q.shape[2:]
     total = batch * tokens
+    if total == 0:  # no token: every state passes through
+        return jnp.zeros(v.shape, q.dtype), (h0 if output_final_state else None)
     # The kernel reads [B, T, H, d] as it lies, B and T merged.
     rows = lambda x: jnp.asarray(x).reshape(total, *x.shape[2:])
     if not packed and (batch == 1 or tokens % chunk_size == 0):  # each sequence's chunks where they lie

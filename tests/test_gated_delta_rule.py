@@ -125,6 +125,15 @@ def test_packed_sequences_keep_their_own_states():
     _check_each_sequence(torch_chunk_gated_delta_rule, cu, (q, k, v, g, beta), states, o, final)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_no_tokens_pass_every_state_through(batch):
+    q, k, v, g, beta, state = _inputs(batch, 0, 2, 4, 32, 16)
+    o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                          interpret=True)
+    assert o.shape == (batch, 0, 4, 16)
+    np.testing.assert_array_equal(final, state)
+
+
 def test_kernel_passes_the_tpu_interpreter():
     """Races, out-of-bounds copies, reads of uninitialised memory (NaN) and output blocks revisited
     (written back twice: the second time stale) over packed sequences whose chunks run past the
@@ -270,6 +279,26 @@ def test_backward_passes_the_tpu_interpreter():
         for name, x, w in zip(("q", "k", "v", "g", "beta"), got[:5], want[:5]):
             assert _error(x[:, a:b], w) <= GRAD_TOLERANCE, (n, name)
         assert _error(got[5][n:n + 1], want[5]) <= GRAD_TOLERANCE, (n, "initial_state")
+
+
+def test_tokens_in_place_pass_the_tpu_interpreter():
+    """One sequence read where it lies, its last chunk overhanging the arrays (100 tokens), in two
+    blocks of 16 value heads that each read the one block of every q/k head: forward and backward
+    with no race, no out-of-bounds copy, no uninitialised read reaching a result; output, final
+    state and every gradient those of the reference."""
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    inputs = _inputs(1, 100, 2, 32, 32, 16, seed=17)
+    o, final = ops.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True,
+                                          heads_per_step=16, interpret=params)
+    do, dht = _cotangents(inputs, seed=18)
+    got = _gradients(*inputs, do, dht, l2norm=False, heads_per_step=16, interpret=params)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    want_o, want_state = _torch(torch_chunk_gated_delta_rule, *inputs, l2norm=False)
+    assert _error(o, want_o) <= FP32_TOLERANCE and _error(final, want_state) <= FP32_TOLERANCE
+    want = _reference_gradients(*inputs, do, dht, l2norm=False)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        assert _error(a, b) <= GRAD_TOLERANCE, (name, _error(a, b))
 
 
 # (generation, tokens, q/k heads, v heads): `make test` compiles tpu7x (the smallest VMEM) at 1024
