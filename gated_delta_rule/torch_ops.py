@@ -15,7 +15,7 @@ import torch
 
 from . import conv, ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, values_on_host
+from ._shared.bridge import check_same_device, check_tensor, is_whole, jax_custom_op, rebind, values_on_host
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,9 +35,14 @@ chunk_op = jax_custom_op(f"{OP_NAMESPACE}::chunk_gated_delta_rule", _jax_entry(o
                          differentiable=("q", "k", "v", "g", "beta", "initial_state"))
 recurrent_op = jax_custom_op(f"{OP_NAMESPACE}::fused_recurrent_gated_delta_rule",
                              _jax_entry(ops.fused_recurrent_gated_delta_rule))
+# The same with initial_state's buffer donated: the kernel updates the states in it (see
+# fused_recurrent_gated_delta_rule).
+recurrent_in_place_op = jax_custom_op(f"{OP_NAMESPACE}::fused_recurrent_gated_delta_rule_in_place",
+                                      _jax_entry(ops.fused_recurrent_gated_delta_rule), donate=("initial_state",))
 
 
-def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+def _call(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    """(o, the final states), arguments checked before the op runs."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_tensor(name, t, 4 if name in "qkv" else 3, FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v)):
@@ -58,7 +63,7 @@ def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         q, k, v, g, beta, empty if initial_state is None else initial_state,
         empty.to(torch.int32) if cu_seqlens is None else cu_seqlens.to(torch.int32),
         float(q.shape[-1] ** -0.5 if scale is None else scale), bool(use_qk_l2norm_in_kernel))
-    return o, (final if output_final_state else None)
+    return o, final
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -72,16 +77,28 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     output_final_state). Computed in fp32, chunk by chunk (prefill). Other keyword arguments
     (transformers passes its attention kwargs along) are ignored.
     """
-    return _call(chunk_op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel)
+    o, final = _call(chunk_op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel)
+    return o, (final if output_final_state else None)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                      cu_seqlens=None, use_qk_l2norm_in_kernel=False, **kwargs):
     """The same as `chunk_gated_delta_rule`, token by token: for decode steps (a token or a few
-    per sequence), where chunks would pad each sequence to a chunk's length."""
-    return _call(recurrent_op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel)
+    per sequence), where chunks would pad each sequence to a chunk's length.
+
+    An fp32 initial_state that owns its buffer is updated in place to the final states (and
+    returned as them): on TPU its buffer is donated to the kernel, which writes the new states
+    there, so a decode step neither copies the states first nor allocates new ones (transformers'
+    cache then copies them onto themselves: nothing). A view, a bf16 state, or a call being
+    traced by torch.compile (where a tensor's buffer cannot be swapped) leave it untouched."""
+    in_place = (initial_state is not None and initial_state.dtype == torch.float32 and is_whole(initial_state)
+                and not torch.compiler.is_compiling())
+    o, final = _call(recurrent_in_place_op if in_place else recurrent_op, q, k, v, g, beta, scale, initial_state,
+                     cu_seqlens, use_qk_l2norm_in_kernel)
+    if in_place:
+        rebind(initial_state, final)
+        final = initial_state
+    return o, (final if output_final_state else None)
 
 
 def _conv_fn_jax(hidden_states: jax.Array, weight: jax.Array, bias: jax.Array, seq_idx: jax.Array,

@@ -11,7 +11,8 @@ import torch
 
 from . import ops
 from ._build import OP_NAMESPACE
-from ._shared.bridge import check_same_device, check_tensor, jax_custom_op, pad_offsets, pad_rows, values_on_host
+from ._shared.bridge import (check_same_device, check_tensor, is_whole, jax_custom_op, pad_offsets, pad_rows, rebind,
+                             values_on_host)
 from ._shared.tuning import bucket_size
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
@@ -42,7 +43,7 @@ def _layout(head_major: bool) -> str:
 
 
 attention_op = jax_custom_op(f"{OP_NAMESPACE}::ragged_paged_attention", _attention_jax)
-# On TPU the caches' buffers become the outputs (no copy of the cache); see _rebind.
+# On TPU the caches' buffers become the outputs (no copy of the cache); see bridge.rebind.
 write_op = jax_custom_op(f"{OP_NAMESPACE}::reshape_and_cache_flash", _write_jax, donate=("key_cache", "value_cache"))
 
 
@@ -175,16 +176,6 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
     return out[:tokens] if num_q != tokens else out
 
 
-def _rebind(cache: torch.Tensor, new: torch.Tensor) -> None:
-    """Makes `cache` hold the written cache. On TPU the op donated the cache's buffer and wrote
-    the new tokens in it (input-output aliasing): the tensor is pointed at that buffer, nothing
-    is copied. On CPU (interpret mode, for tests) the result is copied in."""
-    if cache.device.type == "cpu":
-        cache.copy_(new)
-    else:
-        cache.set_(new)
-
-
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,
                             cache_layout="token_major") -> None:
     """Writes new tokens' key and value [T, Hkv, D] into key_cache and value_cache
@@ -199,7 +190,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
         check_tensor(name, t, 3, QUERY_DTYPES)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_tensor(name, t, 4, CACHE_DTYPES)
-        if t.device.type != "cpu" and (t._base is not None or t.storage_offset() or not t.is_contiguous()):
+        if t.device.type != "cpu" and not is_whole(t):
             raise ValueError(f"{name} is a view of a larger tensor: on TPU the write reuses the cache's own buffer, "
                              "so pass the whole cache tensor")
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
@@ -222,5 +213,5 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k_
     # padding rows get slot -1.
     new_k, new_v = write_op(pad_rows(key[:tokens], num), pad_rows(value[:tokens], num), key_cache, value_cache,
                             slots, kv_scales, cache_layout == "head_major")
-    _rebind(key_cache, new_k)
-    _rebind(value_cache, new_v)
+    rebind(key_cache, new_k)
+    rebind(value_cache, new_v)

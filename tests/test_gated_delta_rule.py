@@ -435,6 +435,24 @@ def test_recurrent_compiles_for_tpu(generation):
     assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
 
 
+def test_torch_decode_op_updates_the_states_without_a_copy():
+    """The torch decode op that takes a whole fp32 state (as transformers' cache holds it) donates
+    its buffer: compiled for v6e, the kernel writes the new states there and no XLA op reads or
+    writes the states (without the donation XLA copies them first)."""
+    from gated_delta_rule import torch_ops
+
+    entry = torch_ops._jax_entry(ops.fused_recurrent_gated_delta_rule)
+    fn = lambda q, k, v, g, b, h0, cu: entry(q, k, v, g, b, h0, cu, 128 ** -0.5, True, interpret=False,
+                                            generation="v6e")
+    batch, hk, hv, d = 64, 16, 32, 128
+    specs = [((batch, 1, hk, d), jnp.bfloat16)] * 2 + [((batch, 1, hv, d), jnp.bfloat16),
+                                                       ((batch, 1, hv), jnp.float32), ((batch, 1, hv), jnp.bfloat16),
+                                                       ((batch, hv, d, d), jnp.float32), ((0,), jnp.int32)]
+    report = tpu_compile.compile_for(fn, specs, "v6e", "gated_delta_rule", donate_argnums=(5,))
+    states = f"f32[{batch},{hv},{d},{d}]"
+    assert not [op for op, schedule in report.other_ops.items() if states in " ".join(schedule.operand_shapes)]
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(k=(1, 20, 2, 8)), "k has shape (1, 20, 2, 8), expected q's"),
     (dict(v=(1, 19, 2, 8)), "v has shape (1, 19, 2, 8)"),
@@ -489,10 +507,36 @@ def test_torch_recurrent_entry_point_as_transformers_decode_calls_it():
     q, k, v, g, beta, states = _inputs(4, 1, 2, 2, 32, 16, seed=9)
     t = torch.from_numpy
     o, final = torch_ops.fused_recurrent_gated_delta_rule(
-        t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(states), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=None)
+        t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(states.copy()), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=None)  # (a copy: the state is updated in place)
     want_o, want_state = _torch(torch_recurrent_gated_delta_rule, q, k, v, g, beta, states)
     assert _error(o.numpy(), want_o) <= FP32_TOLERANCE and _error(final.numpy(), want_state) <= FP32_TOLERANCE
+
+
+def test_torch_decode_updates_a_whole_fp32_state_in_place():
+    """transformers passes its cache's states and copies the returned ones back onto them: an fp32
+    state that owns its buffer becomes the final state (the same tensor returned: the copy back is
+    of a tensor onto itself); a view of a larger tensor or a bf16 state is left as it was."""
+    from gated_delta_rule import torch_ops
+
+    q, k, v, g, beta, states = _inputs(4, 1, 2, 2, 32, 16, seed=9)
+    t = lambda a: torch.from_numpy(np.array(a))
+    _, want_state = _torch(torch_recurrent_gated_delta_rule, q, k, v, g, beta, states)
+    call = lambda state: torch_ops.fused_recurrent_gated_delta_rule(
+        t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=state, output_final_state=True,
+        use_qk_l2norm_in_kernel=True)[1]
+    whole = t(states)
+    final = call(whole)
+    assert final is whole and _error(whole.numpy(), want_state) <= FP32_TOLERANCE
+    larger = t(np.concatenate([states, states]))
+    view = larger[:4]
+    final = call(view)
+    np.testing.assert_array_equal(larger.numpy(), np.concatenate([states, states]))
+    assert _error(final.numpy(), want_state) <= FP32_TOLERANCE
+    low = t(states).bfloat16()
+    kept = low.clone()
+    final = call(low)
+    assert torch.equal(low, kept) and final.dtype == torch.float32
 
 
 @pytest.mark.parametrize("change,error,message", [

@@ -121,6 +121,7 @@ def hooked(request, hub):
     namespace = sys.modules[module.__name__ + "._build"].OP_NAMESPACE
     qualnames = {f"{namespace}::chunk_gated_delta_rule": "chunk",
                  f"{namespace}::fused_recurrent_gated_delta_rule": "recurrent",
+                 f"{namespace}::fused_recurrent_gated_delta_rule_in_place": "recurrent",  # a cache's own state
                  f"{namespace}::causal_conv1d_fn": "conv", f"{namespace}::causal_conv1d_update": "conv_update"}
     torch.manual_seed(0)
     # The experts' eager loop: transformers' grouped_mm has no fp64 for the exact reference.

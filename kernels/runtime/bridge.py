@@ -103,6 +103,22 @@ def check_same_device(**tensors) -> None:
         raise ValueError(f"tensors must be on one device, got {devices}")
 
 
+def is_whole(t: torch.Tensor) -> bool:
+    """Whether t owns its buffer (not a view of a larger tensor): only such a buffer can be donated
+    to an op and become its output."""
+    return t._base is None and not t.storage_offset() and t.is_contiguous()
+
+
+def rebind(tensor: torch.Tensor, new: torch.Tensor) -> None:
+    """Makes `tensor` hold `new`, an op's output. On TPU the op was donated tensor's buffer and
+    wrote its result there (input-output aliasing): the tensor is pointed at that buffer, nothing
+    is copied. On CPU (interpret mode, for tests) the result is copied in."""
+    if tensor.device.type == "cpu":
+        tensor.copy_(new)
+    else:
+        tensor.set_(new)
+
+
 def pad_rows(x: torch.Tensor, num: int, value=0) -> torch.Tensor:
     """x with rows of `value` appended along dim 0 up to `num` rows (bucketed shapes)."""
     pad = [0, 0] * (x.dim() - 1) + [0, num - x.shape[0]]
