@@ -110,9 +110,9 @@ def is_whole(t: torch.Tensor) -> bool:
 
 
 def rebind(tensor: torch.Tensor, new: torch.Tensor) -> None:
-    """Makes `tensor` hold `new`, an op's output. On TPU the op was donated tensor's buffer and
-    wrote its result there (input-output aliasing): the tensor is pointed at that buffer, nothing
-    is copied. On CPU (interpret mode, for tests) the result is copied in."""
+    """Makes `tensor` hold `new`, the output of an op to which `tensor`'s buffer was donated. On
+    TPU the op wrote its result in that buffer (input-output aliasing): the tensor is pointed at
+    it, nothing is copied. On CPU (interpret mode, for tests) the result is copied in."""
     if tensor.device.type == "cpu":
         tensor.copy_(new)
     else:
