@@ -91,8 +91,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     there, so a decode step neither copies the states first nor allocates new ones (transformers'
     cache then copies them onto themselves: nothing). A view, a bf16 state, or a call being
     traced by torch.compile (where a tensor's buffer cannot be swapped) leave it untouched."""
-    in_place = (initial_state is not None and initial_state.dtype == torch.float32 and is_whole(initial_state)
-                and not torch.compiler.is_compiling())
+    # (Tracing asked first: torch.compile cannot trace is_whole's storage_offset.)
+    in_place = (not torch.compiler.is_compiling() and initial_state is not None
+                and initial_state.dtype == torch.float32 and is_whole(initial_state))
     o, final = _call(recurrent_in_place_op if in_place else recurrent_op, q, k, v, g, beta, scale, initial_state,
                      cu_seqlens, use_qk_l2norm_in_kernel)
     if in_place:

@@ -231,6 +231,15 @@ def test_heads_per_step_that_splits_a_q_k_heads_group_is_named():
         ops.chunk_gated_delta_rule(*inputs[:5], heads_per_step=8, interpret=True)
 
 
+def test_default_heads_per_step_leaves_a_block_for_each_core():
+    """Up to 32 heads a step; a megacore (v5p) gets half the heads a step, a block for each core;
+    heads with no tile-filling divisor up to 32 run whole."""
+    pick = ops._heads_per_step
+    assert [pick(None, 32, 2, g) for g in ("v5e", "v5p", "v6e", "tpu7x")] == [32, 16, 32, 32]
+    assert (pick(None, 64, 4, "v6e"), pick(None, 48, 2, "v6e"), pick(None, 4, 2, "v5p"), pick(None, 40, 2, "v6e")) == (
+        32, 16, 4, 40)
+
+
 def test_gradients_of_packed_sequences_and_bf16():
     """Packed sequences (one empty, chunks past the live ones: the bound is 5, 4 live), each
     sequence's gradients those of the reference on it alone; the empty sequence's initial state
@@ -516,7 +525,8 @@ def test_torch_recurrent_entry_point_as_transformers_decode_calls_it():
 def test_torch_decode_updates_a_whole_fp32_state_in_place():
     """transformers passes its cache's states and copies the returned ones back onto them: an fp32
     state that owns its buffer becomes the final state (the same tensor returned: the copy back is
-    of a tensor onto itself); a view of a larger tensor or a bf16 state is left as it was."""
+    of a tensor onto itself); a view of a larger tensor, a bf16 state, or a state passed to a call
+    that torch.compile traces is left as it was."""
     from gated_delta_rule import torch_ops
 
     q, k, v, g, beta, states = _inputs(4, 1, 2, 2, 32, 16, seed=9)
@@ -537,6 +547,10 @@ def test_torch_decode_updates_a_whole_fp32_state_in_place():
     kept = low.clone()
     final = call(low)
     assert torch.equal(low, kept) and final.dtype == torch.float32
+    traced = t(states)
+    final = torch.compile(call, fullgraph=True)(traced)  # (traced, a buffer cannot be swapped)
+    np.testing.assert_array_equal(traced.numpy(), states)
+    assert _error(final.numpy(), want_state) <= FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("change,error,message", [
