@@ -57,7 +57,7 @@ bench-flash: $(BENCH_STAMP) ## flash attention against its anchors, modeled (hou
 bench-paged: $(BENCH_STAMP) ## paged attention on serving batches against its anchors, modeled (about 35 minutes per generation)
 	$(PY) bench/paged_bench.py $(BENCH_ARGS)
 
-bench-gdr: $(BENCH_STAMP) ## the gated delta rule's prefill, training step and decode, ours and tpu-inference's, modeled (about 15 minutes for v6e and tpu7x; BENCH_ARGS="--impls ours" about 4)
+bench-gdr: $(BENCH_STAMP) ## the gated delta rule's prefill, training step and decode: ours, tpu-inference's and transformers' torch code in XLA, modeled (about 30 minutes for v6e and tpu7x; BENCH_ARGS="--impls ours" about 4)
 	$(PY) bench/gdr_bench.py $(BENCH_ARGS)
 
 tune-flash: $(STAMP) ## flash attention's tuning table (10 to 20 minutes per entry; resumable)

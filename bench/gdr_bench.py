@@ -4,11 +4,12 @@ One shape: the linear-attention layer of Qwen3.5-9B, Qwen3.5-35B-A3B and Qwen3-N
 alike (16 q/k heads, 32 value heads, head dims 128; q, k, v in bf16, l2-normalised in the
 kernel, the states in fp32). Cases: prefill (one sequence of 2k, 8k or 32k tokens: the chunked
 rule's forward), a training step (8k tokens: forward and every gradient) and decode (1, 64 or
-256 sequences, a token each, each with its state: the recurrent rule). Implementations: ours,
-and tpu-inference's (vLLM's TPU backend) gated delta rule kernels as vLLM calls them: gdn v1
+256 sequences, a token each, each with its state: the recurrent rule). Implementations: ours;
+tpu-inference's (vLLM's TPU backend) gated delta rule kernels as vLLM calls them: gdn v1
 (`fused_gdn`: decode, and prefill a token at a time) and gdn v2 (`recurrent_scan`: chunked
 prefill), both copying their own blocks, so modeled with their loops counted as they run
-(harness.measure_profiled). For each implementation and generation: whether libtpu compiles it,
+(harness.measure_profiled); and transformers' own torch code (what Qwen3.5 runs without a
+kernel) written op for op in JAX and compiled by XLA, as torch.compile would hand it over. For each implementation and generation: whether libtpu compiles it,
 its VMEM, and a time modeled from the compiled program (bench/harness.py), with two yardsticks:
 
 - decode: `floor` is reading and writing each sequence's state once, plus q, k, v and o, at
@@ -44,6 +45,7 @@ HK, HV, DK, DV = 16, 32, 128, 128
 CHUNK = 64
 KERNEL_NAME = "gated_delta_rule"
 BENCH_GENERATIONS = ("v6e", "tpu7x")
+TORCH_CODE = "transformers' torch code, XLA"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +169,95 @@ def tpu_inference_v2(case: Case, generation: str) -> Program | None:
     return Program(fn, data + index, profiled=True, donate=(3,))
 
 
-IMPLS = {"ours": ours, "tpu-inference gdn v1": tpu_inference_v1, "tpu-inference gdn v2": tpu_inference_v2}
+def torch_chunked(q, k, v, g, beta, h0, chunk: int = CHUNK):
+    """transformers' `torch_chunk_gated_delta_rule` (Qwen3.5's fallback for prefill and training), op
+    for op in JAX: q, k, v [B, T, H, d] (q and k a head per value head, as the model's layer repeats
+    them), g, beta [B, T, H], h0 [B, H, dk, dv]; l2-normalised q and k. Everything in fp32 with fp32
+    products (torch's default matmul precision, "highest"). Its loop over chunks is a scan: the same
+    ops per chunk as the loop torch.compile unrolls, in a program libtpu compiles in seconds rather
+    than minutes (XLA's loop trips are counted as they run). Returns (o in q's dtype, the final
+    states)."""
+    mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+    t = lambda x: jnp.swapaxes(x, -1, -2)
+    batch, tokens, heads, dk = k.shape
+    dtype = q.dtype
+    q, k, v, beta, g = (jnp.swapaxes(x, 1, 2).astype(jnp.float32) for x in (q, k, v, beta, g))
+    q, k = _l2norm(q), _l2norm(k)
+    q = q * dk ** -0.5
+    pad = (-tokens) % chunk
+    q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+    beta, g = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (beta, g))
+    chunks = (tokens + pad) // chunk
+    by_chunk = lambda x: x.reshape(batch, heads, chunks, chunk, x.shape[-1])
+    q, k, k_beta, v_beta = map(by_chunk, (q, k, k * beta[..., None], v * beta[..., None]))
+    cum = jnp.cumsum(g.reshape(batch, heads, chunks, chunk), axis=-1)
+    upper = jnp.triu(jnp.ones((chunk, chunk), bool), 1)
+    decay = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
+    ut_system = mm(k_beta, t(k)) * decay
+    intra = mm(q, t(k)) * decay
+    solve = functools.partial(jax.scipy.linalg.solve_triangular, ut_system, lower=True, unit_diagonal=True)
+    new_values, k_cumdecay = solve(v_beta), solve(k_beta * jnp.exp(cum)[..., None])
+    q = q * jnp.exp(cum)[..., None]
+    k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+    def chunk_step(state, c):  # c: one chunk of each operand, chunks leading
+        q_c, k_c, intra_c, new_values_c, k_cumdecay_c, chunk_decay_c = c
+        v_new = new_values_c - mm(k_cumdecay_c, state)
+        out = mm(q_c, state) + mm(intra_c, v_new)
+        return state * chunk_decay_c + mm(t(k_c), v_new), out
+
+    by_chunk_first = lambda x: jnp.moveaxis(x, 2, 0)
+    state, o = jax.lax.scan(chunk_step, h0.astype(jnp.float32), tuple(map(by_chunk_first, (
+        q, k, intra, new_values, k_cumdecay, chunk_decay))))
+    o = jnp.moveaxis(o, 0, 2).reshape(batch, heads, -1, v.shape[-1])[:, :, :tokens]
+    return jnp.swapaxes(o, 1, 2).astype(dtype), state
+
+
+def torch_recurrent(q, k, v, g, beta, h0):
+    """transformers' `torch_recurrent_gated_delta_rule` (Qwen3.5's fallback for decode), op for op in
+    JAX, arguments as `torch_chunked`'s: the state decayed, read and updated token by token as
+    elementwise products and sums (no matmul), in fp32."""
+    dtype, dk = q.dtype, q.shape[-1]
+    q, k, v, beta, g = (jnp.swapaxes(x, 1, 2).astype(jnp.float32) for x in (q, k, v, beta, g))
+    q, k = _l2norm(q), _l2norm(k)
+    q = q / dk ** 0.5
+    state = h0.astype(jnp.float32)
+    out = []
+    for i in range(q.shape[2]):
+        state = state * jnp.exp(g[:, :, i])[..., None, None]
+        kv_mem = jnp.sum(state * k[:, :, i, :, None], axis=-2)
+        delta = (v[:, :, i] - kv_mem) * beta[:, :, i, None]
+        state = state + k[:, :, i, :, None] * delta[:, :, None, :]
+        out.append(jnp.sum(state * q[:, :, i, :, None], axis=-2))
+    return jnp.swapaxes(jnp.stack(out, axis=2), 1, 2).astype(dtype), state
+
+
+def _l2norm(x):
+    """transformers' (and fla's) l2norm: x / sqrt(sum x^2 + 1e-6) over the last axis."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def torch_code_in_xla(case: Case, generation: str) -> Program:
+    """transformers' torch reference as torch.compile(fullgraph=True) hands it to XLA: the function
+    the model calls without a kernel (`torch_chunked` for prefill and its gradients for a training
+    step, `torch_recurrent` for decode), compiled whole, its q and k repeated to a head per value
+    head as the layer passes them."""
+    args = specs(case)
+    args[:2] = [jax.ShapeDtypeStruct(a.shape[:2] + (HV, DK), a.dtype) for a in args[:2]]
+    rule = torch_recurrent if case.phase == "decode" else torch_chunked
+    if case.phase != "train":
+        return Program(rule, args, donate=(5,) * (case.phase == "decode"))
+
+    def step(q, k, v, g, beta, h0, do):
+        loss = lambda *a: jnp.sum(rule(*a)[0].astype(jnp.float32) * do)
+        return jax.value_and_grad(loss, argnums=range(6))(q, k, v, g, beta, h0)
+
+    return Program(step, args)
+
+
+IMPLS = {"ours": ours, "tpu-inference gdn v1": tpu_inference_v1, "tpu-inference gdn v2": tpu_inference_v2,
+         TORCH_CODE: torch_code_in_xla}
 
 
 def rule_flops(case: Case) -> int:
@@ -194,7 +284,8 @@ def measure(impl: str, case: Case, generation: str) -> dict | None:
         if program.profiled:
             m = harness.measure_profiled(program.fn, program.args, program.concrete_args(), generation, **options)[0]
         else:
-            m = harness.measure(program.fn, program.args, generation, KERNEL_NAME, **options)
+            m = harness.measure(program.fn, program.args, generation, KERNEL_NAME * (impl != TORCH_CODE),
+                                walked=impl != TORCH_CODE, **options)
     except Exception as err:  # a failed compile is a row, not the end of the run
         return row | harness.error_row(err)
     chip = GENERATIONS[generation]
@@ -244,7 +335,10 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "counted). `floor`: a decode step's states read and written once plus q, k, v, o, at full HBM",
         "bandwidth. tpu-inference's kernels (gdn v1, v2) copy their own blocks: modeled with their loops",
         "counted as they run and their copies overlapping their compute entirely (a lower bound); a row",
-        "whose compiled loops the model cannot match to the kernel's says so.",
+        "whose compiled loops the model cannot match to the kernel's says so. transformers' torch code",
+        "(`torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`: fp32, fp32 products, a",
+        "triangular solve per chunk) is written op for op in JAX and compiled by XLA whole, every op",
+        "XLA's (no grid: `VMEM` is its largest fusion's).",
         "",
         "## Every row",
         "",

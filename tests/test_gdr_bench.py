@@ -1,10 +1,16 @@
 """The gated delta rule's bench (bench/gdr_bench.py) on its smallest cases: a decode step and a
 2k prefill compiled by libtpu and modeled through the one harness, the rows within what the chip
-can do, the report written, a committed row of another case kept."""
+can do, the report written, a committed row of another case kept; its JAX copy of transformers'
+torch code against that code."""
 
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
+import torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                          torch_recurrent_gated_delta_rule)
 
 import gdr_bench
 import harness
@@ -51,3 +57,34 @@ def test_tpu_inference_chunked_kernel_profiles():
         (p,) = kernel_profile.profile(program.fn, *program.concrete_args())
     outer = next(i for i, n in enumerate(p.nodes) if n.kind == "loop")
     assert p.counts[:, outer].sum() == 512 // 128
+
+
+@pytest.mark.parametrize("ours, theirs", [(gdr_bench.torch_chunked, torch_chunk_gated_delta_rule),
+                                          (gdr_bench.torch_recurrent, torch_recurrent_gated_delta_rule)],
+                         ids=["chunked", "recurrent"])
+def test_the_benched_torch_code_is_transformers(ours, theirs):
+    """The bench's XLA row runs transformers' torch reference written in JAX: the same outputs and
+    final states in fp32 (150 tokens: a last chunk cut short; two sequences, each its own initial
+    state; distinct head dims). Both compute in fp32 with fp32 products, the same ops in the same
+    order: within 1e-5 of the largest entry (measured: about 3e-7)."""
+    rng = np.random.default_rng(0)
+    b, t, h, dk, dv = 2, 150, 4, 32, 16
+    q, k = (rng.standard_normal((b, t, h, dk), np.float32) for _ in range(2))
+    v = rng.standard_normal((b, t, h, dv), np.float32)
+    g = -0.1 * np.abs(rng.standard_normal((b, t, h), np.float32))
+    beta = rng.uniform(0, 1, (b, t, h)).astype(np.float32)
+    h0 = rng.standard_normal((b, h, dk, dv), np.float32)
+    o, final = ours(*map(jnp.asarray, (q, k, v, g, beta, h0)))
+    want_o, want_final = theirs(*map(torch.from_numpy, (q, k, v)), g=torch.from_numpy(g),
+                                beta=torch.from_numpy(beta), initial_state=torch.from_numpy(h0),
+                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for got, want in ((o, want_o), (final, want_final)):
+        want = want.numpy()
+        assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_the_torch_code_decode_step_is_modeled_above_its_floor():
+    """transformers' decode step compiled by XLA (its states donated, as ours): compiles for v6e
+    and is modeled no faster than moving its states once."""
+    row = gdr_bench.measure(gdr_bench.TORCH_CODE, gdr_bench.Case("decode", 64), "v6e")
+    assert row["compiles"] and row["modeled_us"] >= row["floor_us"] > 0, row
