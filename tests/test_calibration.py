@@ -96,3 +96,15 @@ def test_before_the_two_rate_fix_tpu7x_attention_was_off():
     rows = [r for r in (_row_of(c) for c in CASES if c["kind"] in ("splash", "tokamax_attention")) if "error" not in r]
     assert min(r["before_ratio"] for r in rows if r["kind"] == "splash" and r["pass_"] == "fwd") >= 1.7
     assert all(r["before_ms"] == pytest.approx(r["modeled_ms"], rel=0.02) for r in rows if r["generation"] == "v6e")
+
+
+def test_the_headline_verdict_quotes_the_decode_streaming_points():
+    """helion's tpu7x decode points (a Pallas two-slot weight stream, XLA's dense MLP) are rows, and
+    headline.md's verdict says what they imply for its losses with their current ratios: the model
+    flatters XLA's weight streaming (below 1), not Pallas' two-slot stream (within a tenth)."""
+    ratio = {r["kind"]: r["ratio"] for r in ROWS if r["kind"] in ("weight_stream", "xla_mlp")}
+    assert set(ratio) == {"weight_stream", "xla_mlp"}
+    assert ratio["xla_mlp"] < 1 / 1.1 and abs(ratio["weight_stream"] - 1) < 0.1
+    verdict = (BENCH / "results" / "headline.md").read_text().split("## Quantized")[0]
+    assert f"is modeled {ratio['xla_mlp']:.2f}x its measured time" in verdict
+    assert f"weight stream\n{ratio['weight_stream']:.2f}x" in verdict
