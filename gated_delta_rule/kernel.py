@@ -398,13 +398,15 @@ def _decode_kernel(q_ref, k_ref, v_ref, gb_ref, h0_ref, o_ref, ht_ref, *, scale:
                     l2norm=l2norm)
 
 
-@functools.partial(jax.jit, static_argnames=("seqs_per_step", "scale", "l2norm", "out_dtype", "interpret"))
-def decode_forward(q, k, v, gb, h0, *, seqs_per_step: int, scale: float, l2norm: bool, out_dtype, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("seqs_per_step", "scale", "l2norm", "out_dtype", "in_place", "interpret"))
+def decode_forward(q, k, v, gb, h0, *, seqs_per_step: int, scale: float, l2norm: bool, out_dtype, in_place: bool,
+                   interpret: bool):
     """A decode step: a token of each of B sequences, q, k [B, Hk, dk], v [B, H, dv], gb [B, H, 2]
     fp32 (g, beta), h0 [B, H, dk, dv] fp32. A grid step takes `seqs_per_step` sequences (a divisor
     of B), whose states' blocks are consecutive: fewer, larger copies of the same bytes. Returns
-    o [B, H, dv] (out_dtype) and the new states in h0's buffer (updated in place when h0 is
-    donated)."""
+    o [B, H, dv] (out_dtype) and the new states: with `in_place`, in h0's buffer (updated in place
+    when h0 is donated; else XLA copies h0 there first), otherwise in a new buffer (every state is
+    written, so nothing needs h0's values there)."""
     batch = q.shape[0]
     heads, dk, dv = h0.shape[1:]
     block = lambda x: pl.BlockSpec((seqs_per_step, *x.shape[1:]), lambda b: (b,) + (0,) * (x.ndim - 1))
@@ -419,7 +421,7 @@ def decode_forward(q, k, v, gb, h0, *, seqs_per_step: int, scale: float, l2norm:
         # The states' blocks, in and out, double-buffered, and room for the rest.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=4 * state_bytes + (16 << 20)),
-        input_output_aliases={4: 1},
+        input_output_aliases={4: 1} if in_place else {},
         interpret=interpret,
         name="gated_delta_rule_decode",
     )(q, k, v, gb, h0)

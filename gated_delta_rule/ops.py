@@ -13,7 +13,10 @@ gathered into chunks of its own.
 
 `fused_recurrent_gated_delta_rule` takes the same arguments and computes the same, token by
 token: for decode steps (a token or a few per sequence), where the chunked form would pad each
-sequence to a chunk.
+sequence to a chunk. Its final states take initial_state's buffer: updated in place when the
+caller donates it (as an engine keeps its states), else XLA copies the states there first. With
+`state_in_place=False` a decode step (a token per sequence, no `cu_seqlens`) writes them to a new
+buffer instead, for a caller that keeps initial_state: no copy either way.
 """
 
 from __future__ import annotations
@@ -220,7 +223,8 @@ def token_layout(cu_seqlens, tokens: int, seqs: int):
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                     cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, interpret=None):
+                                     cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_in_place=True,
+                                     interpret=None):
     out_dtype = q.dtype
     seqs, cu, scale, interpret, h0 = _arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens, interpret)
     batch, tokens, hv, dv = v.shape
@@ -232,7 +236,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     gb = jnp.stack([flat(jnp.asarray(g, jnp.float32)), flat(jnp.asarray(beta, jnp.float32))], axis=-1)
     if cu_seqlens is None and tokens == 1:  # a decode step: a token per sequence, several sequences a grid step
         o, final = decode_forward(flat(q), flat(k), flat(v), gb, h0, seqs_per_step=_seqs_per_step(batch), scale=scale,
-                                  l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype, interpret=interpret)
+                                  l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype,
+                                  in_place=bool(state_in_place), interpret=interpret)
         return o.reshape(batch, tokens, hv, dv), (final if output_final_state else None)
     # The states come back in h0's buffer, NaN where the offsets are not valid: no pass over them here.
     o, final = recurrent_forward(seq, first, last, flags, flat(q), flat(k), flat(v), gb, h0, num_seqs=seqs,

@@ -8,6 +8,7 @@ rule's backward kernel, and the convolution's gradient as XLA compiles it); the 
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -33,12 +34,15 @@ def _jax_entry(fn):
 
 chunk_op = jax_custom_op(f"{OP_NAMESPACE}::chunk_gated_delta_rule", _jax_entry(ops.chunk_gated_delta_rule),
                          differentiable=("q", "k", "v", "g", "beta", "initial_state"))
-recurrent_op = jax_custom_op(f"{OP_NAMESPACE}::fused_recurrent_gated_delta_rule",
-                             _jax_entry(ops.fused_recurrent_gated_delta_rule))
-# The same with initial_state's buffer donated: the kernel updates the states in it (see
-# fused_recurrent_gated_delta_rule).
+# The decode ops' JAX functions. initial_state kept (a view, bf16, or a torch.compile graph's
+# input): a decode step writes the new states to a buffer of their own rather than XLA copying
+# initial_state into the output first. In place: initial_state's buffer donated, the kernel updates
+# the states in it (see fused_recurrent_gated_delta_rule).
+recurrent_jax = _jax_entry(functools.partial(ops.fused_recurrent_gated_delta_rule, state_in_place=False))
+recurrent_in_place_jax = _jax_entry(ops.fused_recurrent_gated_delta_rule)
+recurrent_op = jax_custom_op(f"{OP_NAMESPACE}::fused_recurrent_gated_delta_rule", recurrent_jax)
 recurrent_in_place_op = jax_custom_op(f"{OP_NAMESPACE}::fused_recurrent_gated_delta_rule_in_place",
-                                      _jax_entry(ops.fused_recurrent_gated_delta_rule), donate=("initial_state",))
+                                      recurrent_in_place_jax, donate=("initial_state",))
 
 
 def _call(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
@@ -90,7 +94,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     returned as them): on TPU its buffer is donated to the kernel, which writes the new states
     there, so a decode step neither copies the states first nor allocates new ones (transformers'
     cache then copies them onto themselves: nothing). A view, a bf16 state, or a call being
-    traced by torch.compile (where a tensor's buffer cannot be swapped) leave it untouched."""
+    traced by torch.compile (where a tensor's buffer cannot be swapped) leave it untouched: the
+    new states come back in a buffer of their own (a decode step copies nothing first)."""
     # (Tracing asked first: torch.compile cannot trace is_whole's storage_offset.)
     in_place = (not torch.compiler.is_compiling() and initial_state is not None
                 and initial_state.dtype == torch.float32 and is_whole(initial_state))

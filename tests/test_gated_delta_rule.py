@@ -365,17 +365,19 @@ def test_recurrent_steps_match_the_reference(batch, tokens, hk, hv, dtype):
     (6, 2, 8, jnp.bfloat16, 3),  # two steps of three
     (5, 2, 4, np.float32, 1),  # five steps of one
 ])
-def test_decode_steps_take_blocks_of_sequences(batch, hk, hv, dtype, seqs_per_step):
+@pytest.mark.parametrize("state_in_place", [True, False])
+def test_decode_steps_take_blocks_of_sequences(batch, hk, hv, dtype, seqs_per_step, state_in_place):
     """A decode step with no cu_seqlens (a token per sequence, as transformers' Qwen3.5 decodes): a
     grid step takes a block of sequences, each updated from its own state's block; against the
-    reference, in the TPU interpreter (no races, no uninitialised reads)."""
+    reference, in the TPU interpreter (no races, no uninitialised reads: the new states in
+    initial_state's buffer, or in a new one that every step's block fills)."""
     assert ops._seqs_per_step(batch) == seqs_per_step
     q, k, v, g, beta, states = _inputs(batch, 1, hk, hv, 32, 16, seed=13)
     cast = lambda x: jnp.asarray(x, dtype)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
     o, final = ops.fused_recurrent_gated_delta_rule(*(cast(x) for x in (q, k, v)), g, cast(beta), initial_state=states,
                                                     output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                                    interpret=params)
+                                                    state_in_place=state_in_place, interpret=params)
     assert tpu_interpreter.races.races_found is False
     pltpu.reset_tpu_interpret_mode_state()
     as_f32 = lambda x: np.asarray(cast(x), np.float32)
@@ -444,22 +446,26 @@ def test_recurrent_compiles_for_tpu(generation):
     assert 0 < kernel.vmem_bytes <= GENERATIONS[generation].vmem_bytes
 
 
-def test_torch_decode_op_updates_the_states_without_a_copy():
-    """The torch decode op that takes a whole fp32 state (as transformers' cache holds it) donates
-    its buffer: compiled for v6e, the kernel writes the new states there and no XLA op reads or
-    writes the states (without the donation XLA copies them first)."""
+@pytest.mark.parametrize("op", ["recurrent_in_place_op", "recurrent_op"])
+def test_torch_decode_ops_update_the_states_without_a_copy(op):
+    """Neither torch decode op copies the states: the one for a whole fp32 state (as transformers'
+    cache holds it) donates its buffer and the kernel writes the new states there; the other (a
+    view, bf16, or a torch.compile graph, which keeps its input) writes them to a buffer of their
+    own. Compiled for v6e as each runs (donated or not), no XLA op reads or writes the states
+    (with the kernel's output aliased to a state that is not donated, XLA copies the states first)."""
     from gated_delta_rule import torch_ops
 
-    entry = torch_ops._jax_entry(ops.fused_recurrent_gated_delta_rule)
+    entry = getattr(torch_ops, op.replace("_op", "_jax"))
     fn = lambda q, k, v, g, b, h0, cu: entry(q, k, v, g, b, h0, cu, 128 ** -0.5, True, interpret=False,
                                             generation="v6e")
     batch, hk, hv, d = 64, 16, 32, 128
     specs = [((batch, 1, hk, d), jnp.bfloat16)] * 2 + [((batch, 1, hv, d), jnp.bfloat16),
                                                        ((batch, 1, hv), jnp.float32), ((batch, 1, hv), jnp.bfloat16),
                                                        ((batch, hv, d, d), jnp.float32), ((0,), jnp.int32)]
-    report = tpu_compile.compile_for(fn, specs, "v6e", "gated_delta_rule", donate_argnums=(5,))
+    report = tpu_compile.compile_for(fn, specs, "v6e", "gated_delta_rule",
+                                     donate_argnums=(5,) if op == "recurrent_in_place_op" else ())
     states = f"f32[{batch},{hv},{d},{d}]"
-    assert not [op for op, schedule in report.other_ops.items() if states in " ".join(schedule.operand_shapes)]
+    assert not [name for name, schedule in report.other_ops.items() if states in " ".join(schedule.operand_shapes)]
 
 
 @pytest.mark.parametrize("change,message", [
