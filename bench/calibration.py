@@ -561,9 +561,10 @@ Where the model is off, and why (what it cannot see):
   run (long contexts, the cache read once), the model is within a tenth of the measured times. With a
   128-token window each sequence reads a page or two and the measured step is 2.4-3.8x the model's: the
   kernel copies its own pages, and the model overlaps such copies with its compute entirely (a lower
-  bound), while here the copies, a few small ones per sequence, have next to no compute to hide behind;
-  the measured times fit a few microseconds per call plus under one per sequence, which the model does
-  not charge. Not yet confirmed in the bundles; our paged rows are not of this kind.
+  bound), while here the copies, four small ones per sequence (its profile counts 16 and 128), have next
+  to no compute to hide behind. Each charged the model's per-copy latency one after another, the rows
+  would come out 0.75x and 1.19x: the measurements lie between the copies hidden and exposed. Our paged
+  rows are not of this kind, but the windowed anchor rows (gpt-oss's sliding layer) are.
 - Other XLA ops with a loop whose count is known only at run time are counted once, and a DMA whose size
   is in a register falls back to the op's HBM operands once each: treat such figures as lower bounds.
   In our bench they are the small routing ops around the kernels; headline.md marks where they matter."""
