@@ -166,10 +166,14 @@ def model_case(case: dict) -> dict:
     # default (their tiles do not fit it): give them the chip's VMEM.
     m = harness.measure(fn, args, generation, compiler_options=harness.chip_vmem_option(generation), costs=costs,
                         copies=copies, group_sizes=np.asarray(args[2]) if len(args) > 2 else None)
+    return _row(case, m, regions_mapped=m.parts["regions_mapped"])
+
+
+def _row(case: dict, m: "harness.Measurement", **extra) -> dict:
+    """A calibration row: the case, its modeled parts in ms and modeled / measured."""
     ms = lambda key: m.parts[key] * 1e3
     return dict(case, modeled_ms=ms("modeled"), ratio=ms("modeled") / case["measured_ms"], compute_ms=ms("compute"),
-                dma_ms=ms("dma"), xla_ops_ms=ms("around"), grid_steps=m.figures()["grid_steps"],
-                regions_mapped=m.parts["regions_mapped"])
+                dma_ms=ms("dma"), xla_ops_ms=ms("around"), grid_steps=m.figures()["grid_steps"], **extra)
 
 
 # ---------------------------------------------------------------- attention
@@ -368,13 +372,10 @@ def model_rpa_case(case: dict) -> dict:
                                           vmem_limit_bytes=GENERATIONS[generation].vmem_bytes)
 
     m = harness.measure_profiled(fn, paged_bench.arguments(data, index),
-                                 paged_bench._profile_args(data, index, (3,), routing), generation, "RPA",
+                                 paged_bench.profile_args(data, index, (3,), routing), generation, "RPA",
                                  layouts={3: row_major},
                                  compile_options=dict(donate_argnums=(3,), out_layouts=(None, row_major)))[0]
-    ms = lambda key: m.parts[key] * 1e3
-    return dict(case, modeled_ms=ms("modeled"), ratio=ms("modeled") / case["measured_ms"], compute_ms=ms("compute"),
-                dma_ms=ms("dma"), xla_ops_ms=ms("around"), grid_steps=m.figures()["grid_steps"],
-                hbm_bytes=m.figures()["hbm_bytes"])
+    return _row(case, m, hbm_bytes=m.figures()["hbm_bytes"])
 
 
 RPA_KINDS = ("rpa_v3",)

@@ -9,8 +9,9 @@ tpu-inference's (vLLM's TPU backend) gated delta rule kernels as vLLM calls them
 (`fused_gdn`: decode, and prefill a token at a time) and gdn v2 (`recurrent_scan`: chunked
 prefill), both copying their own blocks, so modeled with their loops counted as they run
 (harness.measure_profiled); and transformers' own torch code (what Qwen3.5 runs without a
-kernel) written op for op in JAX and compiled by XLA, as torch.compile would hand it over. For each implementation and generation: whether libtpu compiles it,
-its VMEM, and a time modeled from the compiled program (bench/harness.py), with two yardsticks:
+kernel) written op for op in JAX and compiled by XLA, as torch.compile would hand it over. For
+each implementation and generation: whether libtpu compiles it, its VMEM, and a time modeled
+from the compiled program (bench/harness.py), with two yardsticks:
 
 - decode: `floor` is reading and writing each sequence's state once, plus q, k, v and o, at
   full HBM bandwidth;
@@ -90,6 +91,7 @@ class Program:
     args: list
     profiled: bool = False
     donate: tuple = ()  # arguments updated in place, as an engine keeps them (decode's states)
+    kernels: bool = True  # False: no Pallas kernel to walk, every op XLA's
 
     def concrete_args(self) -> list:
         return [jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a for a in self.args]
@@ -247,13 +249,13 @@ def torch_code_in_xla(case: Case, generation: str) -> Program:
     args[:2] = [jax.ShapeDtypeStruct(a.shape[:2] + (HV, DK), a.dtype) for a in args[:2]]
     rule = torch_recurrent if case.phase == "decode" else torch_chunked
     if case.phase != "train":
-        return Program(rule, args, donate=(5,) * (case.phase == "decode"))
+        return Program(rule, args, donate=(5,) * (case.phase == "decode"), kernels=False)
 
     def step(q, k, v, g, beta, h0, do):
         loss = lambda *a: jnp.sum(rule(*a)[0].astype(jnp.float32) * do)
         return jax.value_and_grad(loss, argnums=range(6))(q, k, v, g, beta, h0)
 
-    return Program(step, args)
+    return Program(step, args, kernels=False)
 
 
 IMPLS = {"ours": ours, "tpu-inference gdn v1": tpu_inference_v1, "tpu-inference gdn v2": tpu_inference_v2,
@@ -284,8 +286,8 @@ def measure(impl: str, case: Case, generation: str) -> dict | None:
         if program.profiled:
             m = harness.measure_profiled(program.fn, program.args, program.concrete_args(), generation, **options)[0]
         else:
-            m = harness.measure(program.fn, program.args, generation, KERNEL_NAME * (impl != TORCH_CODE),
-                                walked=impl != TORCH_CODE, **options)
+            m = harness.measure(program.fn, program.args, generation, KERNEL_NAME if program.kernels else "",
+                                walked=program.kernels, **options)
     except Exception as err:  # a failed compile is a row, not the end of the run
         return row | harness.error_row(err)
     chip = GENERATIONS[generation]

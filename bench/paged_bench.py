@@ -152,7 +152,7 @@ def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jn
         blocks = _blocks_of(eqn, shape)
         return f"{cost.name.removeprefix(KERNEL_NAME).strip('_') or 'all'} {blocks.block_q}q x {blocks.pages_per_block}p"
 
-    return measure_profiled(fn, data, index, _profile_args(data, index, (1, 2), routing), shape, batch, routing,
+    return measure_profiled(fn, data, index, profile_args(data, index, (1, 2), routing), shape, batch, routing,
                             generation, KERNEL_NAME, kv_itemsize=jnp.dtype(cache_dtype).itemsize, describe=tiling)
 
 
@@ -310,7 +310,7 @@ def arguments(data: list, index: list) -> list:
     return [jax.ShapeDtypeStruct(*spec[:2]) for spec in data] + [jnp.asarray(a) for a in index]
 
 
-def _profile_args(data: list, index: list, caches: tuple[int, ...], routing: dict) -> list:
+def profile_args(data: list, index: list, caches: tuple[int, ...], routing: dict) -> list:
     """Concrete arguments for a profile: zeros for the arrays, the caches (at positions `caches`)
     PROFILE_PAGES pages long, the page indices (`routing`'s, wherever they are) wrapped into them."""
     arrays = [jnp.zeros((PROFILE_PAGES, *spec[0][1:]) if i in caches else spec[0], spec[1])
@@ -343,7 +343,7 @@ def measure_jax_ragged_paged_attention(shape: AttentionShape, batch: Batch, gene
                                           sm_scale=shape.head_dim ** -0.5, soft_cap=options.get("softcap"),
                                           sliding_window=options.get("sliding_window"),
                                           num_kv_pages_per_block=pages, num_queries_per_block=queries)
-        return dict(measure_profiled(fn, data, index, _profile_args(data, index, (1,), routing), shape, batch,
+        return dict(measure_profiled(fn, data, index, profile_args(data, index, (1,), routing), shape, batch,
                                      routing, generation, "ragged_paged_attention_kernel"),
                     tiling=f"{queries} tokens x {pages} pages per block")
 
@@ -398,7 +398,7 @@ def measure_tpu_inference(shape: AttentionShape, batch: Batch, generation: str) 
             return rpa.ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                                               update_kv_cache=False, **common)
 
-    return dict(measure_profiled(fn, data, index, _profile_args(data, index, (3,), routing), shape, batch, routing,
+    return dict(measure_profiled(fn, data, index, profile_args(data, index, (3,), routing), shape, batch, routing,
                                  generation, "RPA", donate_argnums=(3,), out_layouts=(None, row_major)),
                 tiling="its tuned blocks")
 
