@@ -44,15 +44,17 @@ def test_every_case_has_its_modeled_row(case):
     row = _row_of(case)
     if _not_modeled(case):
         if "error" in row:  # calibration.md lists it and says why
-            assert "HbmOom" in row["error"] or "compile" in row["error"]
+            assert "HbmOom" in row["error"] or "compile" in row["error"] or row["error"].startswith("n/a: gmm_v2")
             return
     assert row["modeled_ms"] > 0 and row["ratio"] == pytest.approx(row["modeled_ms"] / case["measured_ms"])
 
 
 def _not_modeled(case):
     """The microbenchmark's backward at 128k tokens for head dims 192 and 256: its program needs
-    135 GB or more of f32 dq partials at every block calibration.py tries, past a core's HBM."""
-    return case["kind"] == "splash" and case["tokens"] == 131072 and case["pass_"] == "bwd" and case["head_dim_qk"] > 128
+    135 GB or more of f32 dq partials at every block calibration.py tries, past a core's HBM; and
+    tokamax's gmm_v2 perf test, whose kernel no package here holds."""
+    return case["kind"] == "gmm_v2" or (case["kind"] == "splash" and case["tokens"] == 131072
+                                        and case["pass_"] == "bwd" and case["head_dim_qk"] > 128)
 
 
 def _known_off(case):
