@@ -165,3 +165,16 @@ def test_goals_name_each_decode_row_an_8bit_cache_misses():
     assert ("- int8 cache's decode at most 0.6x bf16's modeled time (same layout): 0.55 to 0.90x, NOT met on 2 of 3: "
             "ours, M, decode c, v6e (0.90x); ours, M, decode b, v6e (0.70x).") in lines, lines
     assert not any(line.startswith("- float8_e4m3fn cache's decode") for line in lines)
+
+
+def test_a_re_rating_resumes_where_it_stopped():
+    """`paged_tune.py --redo-before DAY` rates again only entries rated before DAY (or undated):
+    a re-rating stopped midway and restarted the same way skips what it already redid."""
+    import paged_tune
+
+    assert paged_tune.needs_rating(None)
+    assert not paged_tune.needs_rating({"rated": "2026-12-01"})
+    assert paged_tune.needs_rating({"rated": "2026-12-01"}, redo=True)
+    assert paged_tune.needs_rating({"rated": "2026-12-01"}, redo_before="2026-12-07")
+    assert paged_tune.needs_rating({}, redo_before="2026-12-07")  # rated before dates were kept
+    assert not paged_tune.needs_rating({"rated": paged_tune.today()}, redo_before=paged_tune.today())
