@@ -9,7 +9,7 @@ tpu-inference's (vLLM's TPU backend) gated delta rule kernels as vLLM calls them
 (`fused_gdn`: decode, and prefill a token at a time) and gdn v2 (`recurrent_scan`: chunked
 prefill), both copying their own blocks, so modeled with their loops counted as they run
 (harness.measure_profiled); and transformers' own torch code (what Qwen3.5 runs without a
-kernel) written op for op in JAX and compiled by XLA, as torch.compile would hand it over. For
+kernel) written op for op in JAX and compiled by XLA (torch_tpu's own lowering not checked). For
 each implementation and generation: whether libtpu compiles it, its VMEM, and a time modeled
 from the compiled program (bench/harness.py), with two yardsticks:
 
@@ -176,8 +176,8 @@ def torch_chunked(q, k, v, g, beta, h0, chunk: int = CHUNK):
     for op in JAX: q, k, v [B, T, H, d] (q and k a head per value head, as the model's layer repeats
     them), g, beta [B, T, H], h0 [B, H, dk, dv]; l2-normalised q and k. Everything in fp32 with fp32
     products (torch's default matmul precision, "highest"). Its loop over chunks is a scan: the same
-    ops per chunk as the loop torch.compile unrolls, in a program libtpu compiles in seconds rather
-    than minutes (XLA's loop trips are counted as they run). Returns (o in q's dtype, the final
+    ops per chunk as the loop torch.compile unrolls, one loop body instead of hundreds (XLA's loop
+    trips are counted as they run). Returns (o in q's dtype, the final
     states)."""
     mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
     t = lambda x: jnp.swapaxes(x, -1, -2)
@@ -241,8 +241,8 @@ def _l2norm(x):
 
 
 def torch_code_in_xla(case: Case, generation: str) -> Program:
-    """transformers' torch reference as torch.compile(fullgraph=True) hands it to XLA: the function
-    the model calls without a kernel (`torch_chunked` for prefill and its gradients for a training
+    """transformers' torch reference compiled whole by XLA (the ops it runs, not torch_tpu's own
+    lowering of them): the function the model calls without a kernel (`torch_chunked` for prefill and its gradients for a training
     step, `torch_recurrent` for decode), compiled whole, its q and k repeated to a head per value
     head as the layer passes them."""
     args = specs(case)

@@ -443,7 +443,7 @@ def calibration_note(found: list[dict]) -> list[str]:
         "Against measurements (calibration.md, one tpu7x point each): XLA streaming a dense MLP's weights",
         f"at decode is modeled {points['xla_mlp']:.2f}x its measured time, a Pallas two-slot weight stream",
         f"{points['weight_stream']:.2f}x. Where ours loses to XLA's ops streaming the same weights (at most",
-        f"{max(losses):.2f}x), the loss is within what the model is known to flatter XLA by ({1 / points['xla_mlp']:.2f}x):",
+        f"{max(losses):.2f}x), the loss is within what the model flattered XLA by there ({1 / points['xla_mlp']:.2f}x):",
         "those rows are not decided until XLA is measured at their shapes.",
     ]
 

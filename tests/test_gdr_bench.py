@@ -83,8 +83,9 @@ def test_the_benched_torch_code_is_transformers(ours, theirs):
         assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_the_torch_code_decode_step_is_modeled_above_its_floor():
+def test_the_torch_code_decode_step_reads_the_states_twice():
     """transformers' decode step compiled by XLA (its states donated, as ours): compiles for v6e
-    and is modeled no faster than moving its states once."""
+    and is modeled no faster than moving its states once; its fusions read the states twice and
+    write them once, as the card says (at least 1.4 times the floor, where ours is within 1.1)."""
     row = gdr_bench.measure(gdr_bench.TORCH_CODE, gdr_bench.Case("decode", 64), "v6e")
-    assert row["compiles"] and row["modeled_us"] >= row["floor_us"] > 0, row
+    assert row["compiles"] and row["modeled_us"] >= 1.4 * row["floor_us"] > 0, row
