@@ -10,8 +10,10 @@ TPU pipeline does:
   dims) differs from the previous grid step's; each copy moves the block
   clipped to the array's bounds (an element window's padding is not
   read). Block shapes and index maps are read from the pallas_call, not
-  written by hand. Operands left in HBM (`pl.ANY`, `pltpu.HBM`) are not counted: the
-  kernel's own copies are its caller's to count (bench/paged_bench.py).
+  written by hand. Operands left in HBM (`pl.ANY`, `pltpu.HBM`) are not counted as blocks:
+  the copies the kernel starts itself are counted where they are started at its top level or
+  in its top-level conds (a ring of blocks), else they are its caller's to count
+  (bench/kernel_profile.py).
 - MXU work: each `dot_general` in the kernel body counts at its shapes
   padded to the MXU (rows to 8, contraction and columns to the MXU width),
   on the grid steps where it runs: a dot under `pl.when(cond)` counts on
@@ -68,6 +70,16 @@ class KernelCost:
     # peak), and whether they are all of the kernel's (False: a dot runs in a while loop).
     mxu_flops_per_step: np.ndarray | None = None
     dots_counted: bool = True
+    when_copies_only: list[bool] = dataclasses.field(default_factory=list)  # a cond body only starts or waits for copies
+    # The copies the kernel starts itself (`make_async_copy` at its top level or in its top-level
+    # conds, e.g. a ring of weight blocks), in the order it starts them: the step that starts each
+    # and its bytes; and per step, how many of them it waits for (a kernel waits for its copies in
+    # the order it started them). None where a copy is started or waited for elsewhere (in a loop,
+    # a nested cond) or under a condition the walk cannot know: then they are not counted here.
+    copy_step: np.ndarray | None = None
+    copy_bytes: np.ndarray | None = None
+    copy_after_wait: np.ndarray | None = None  # whether it is started after its step's waits
+    copy_waits: np.ndarray | None = None
 
 
 def _sub_jaxpr(eqn):
@@ -283,7 +295,7 @@ def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width, user_axe
     first, as `scf.if` puts its "then" region first). A condition that
     reads VMEM data cannot be known statically: its bodies count as
     running (an upper bound)."""
-    runs, known, flops, on_grid_only = [], [], [], []
+    runs, known, flops, on_grid_only, copies_only = [], [], [], [], []
     for i, eqn in enumerate(kernel_jaxpr.eqns):
         if eqn.primitive.name != "cond":
             continue
@@ -301,8 +313,81 @@ def _when_runs(kernel_jaxpr, num_prefetch, points, prefetch, mxu_width, user_axe
         known += [ok] * len(bodies)
         flops += [_body_flops(branches[b].jaxpr, mxu_width) for b in bodies]
         on_grid_only += [grid_only] * len(bodies)
+        copies_only += [_copies_only(branches[b].jaxpr) for b in bodies]
     runs = np.stack(runs, axis=1) if runs else np.zeros((len(points), 0), bool)
-    return runs, known, flops, on_grid_only
+    return runs, known, flops, on_grid_only, copies_only
+
+
+def _copies_only(jaxpr) -> bool:
+    """Whether a body only starts or waits for copies (and computes their scalar indices): Mosaic
+    predicates such a body rather than branching around it."""
+    def names(j):
+        return {e.primitive.name for e in j.eqns}.union(*(names(sub) for e in j.eqns for sub in _branches(e)))
+    used = names(jaxpr)
+    return bool(used & {"dma_start", "dma_wait"}) and not used & {"swap", "dot_general", "cond", "while", "scan"}
+
+
+def _copy_bytes_of(eqn) -> int:
+    """Bytes one `dma_start` moves: its destination's shape after its indexing."""
+    _, dst, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)
+    shape = dst.transforms[-1].get_indexer_shape() if getattr(dst, "transforms", ()) else dst.aval.shape
+    return math.prod(shape) * np.dtype(dst.ref.aval.dtype if hasattr(dst, "ref") else dst.aval.dtype).itemsize
+
+
+def _has_dma(jaxpr) -> bool:
+    return any(e.primitive.name in ("dma_start", "dma_wait") or any(_has_dma(sub) for sub in _branches(e))
+               for e in jaxpr.eqns)
+
+
+def _own_copies(kernel_jaxpr, when_runs, when_known, num_steps: int):
+    """(copy_step, copy_bytes, copy_after_wait, copy_waits) of the copies the kernel starts itself
+    (KernelCost), or Nones where they cannot be counted from the kernel's top-level conds."""
+    unknown = None, None, None, None
+    # per top-level start: whether it runs at each step, its bytes, whether a wait before it (in
+    # program order) runs at the step; per wait, whether it runs
+    starts, waits = [], []
+
+    def start(runs, eqn):
+        before = np.any(np.stack(waits, axis=1), axis=1) if waits else np.zeros(num_steps, bool)
+        starts.append((runs, _copy_bytes_of(eqn), before))
+    column = 0
+    for eqn in kernel_jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            branches = eqn.params["branches"]
+            for b in (1, 0):
+                if b >= len(branches) or not branches[b].jaxpr.eqns:
+                    continue
+                body, runs, known = branches[b].jaxpr, when_runs[:, column], when_known[column]
+                column += 1
+                for inner in body.eqns:
+                    if inner.primitive.name in ("dma_start", "dma_wait") and not known:
+                        return unknown
+                    if inner.primitive.name == "dma_start":
+                        start(runs, inner)
+                    elif inner.primitive.name == "dma_wait":
+                        waits.append(runs)
+                    elif _has_dma_in(inner):
+                        return unknown
+        elif eqn.primitive.name == "dma_start":
+            start(np.ones(num_steps, bool), eqn)
+        elif eqn.primitive.name == "dma_wait":
+            waits.append(np.ones(num_steps, bool))
+        elif _has_dma_in(eqn):
+            return unknown
+    if not starts:
+        return unknown
+    started = np.stack([runs for runs, _, _ in starts], axis=1)  # [steps, starts]: step-major is start order
+    step, which = np.nonzero(started)
+    sizes = np.array([size for _, size, _ in starts], np.int64)[which]
+    after = np.stack([before for _, _, before in starts], axis=1)[step, which]
+    waited = np.sum(np.stack(waits, axis=1), axis=1) if waits else np.zeros(num_steps, np.int64)
+    if waited.sum() != len(step):  # a copy never waited for, or a wait for a copy not counted here
+        return unknown
+    return step.astype(np.int64), sizes, after, waited.astype(np.int64)
+
+
+def _has_dma_in(eqn) -> bool:
+    return any(_has_dma(sub) for sub in _branches(eqn))
 
 
 def _condition_slice(kernel_jaxpr, eqn_index):
@@ -386,9 +471,12 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
     kernel_jaxpr = eqn.params["jaxpr"]
     vmapped = set(getattr(grid_mapping, "vmapped_dims", ()))
     user_axes = [a for a in range(len(grid)) if a not in vmapped]
-    when_runs, when_known, when_flops, when_on_grid_only = _when_runs(kernel_jaxpr, num_prefetch, points, prefetch,
-                                                                      mxu_width, user_axes)
+    when_runs, when_known, when_flops, when_on_grid_only, when_copies_only = _when_runs(
+        kernel_jaxpr, num_prefetch, points, prefetch, mxu_width, user_axes)
     padded, unpadded = _work_per_step(kernel_jaxpr, when_runs, when_flops, mxu_width)
+    copy_step, copy_bytes, copy_after_wait, copy_waits = _own_copies(kernel_jaxpr, when_runs, when_known, len(points))
+    if copy_bytes is not None:
+        by_operand["own copies"] = int(copy_bytes.sum())
     params = eqn.params.get("compiler_params")
     params = params.get("mosaic_tpu", params) if isinstance(params, dict) else params
     semantics = tuple(getattr(params, "dimension_semantics", None) or ("arbitrary",) * len(grid))
@@ -407,10 +495,15 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         when_known=when_known,
         when_has_dot=[p > 0 for p, _ in when_flops],
         when_on_grid_only=when_on_grid_only,
+        when_copies_only=when_copies_only,
         dimension_semantics=tuple(str(d).split(".")[-1].lower() for d in semantics),
         operand_shapes=tuple(xla_shape(v.aval) for v in (*eqn.invars, *eqn.outvars)),
         mxu_flops_per_step=padded,
         dots_counted=not _dots_in_while(kernel_jaxpr),
+        copy_step=copy_step,
+        copy_bytes=copy_bytes,
+        copy_after_wait=copy_after_wait,
+        copy_waits=copy_waits,
     )
 
 

@@ -160,8 +160,8 @@ def measure_profiled(fn, args, profile_args, generation: str, kernel_name: str =
     if [c.name for c in costs] != [p.name for p in profiles]:
         raise RuntimeError(f"profiled {[p.name for p in profiles]}, walked {[c.name for c in costs]}")
     own = [int(prof.dma_bytes().sum() + prof.dma_bytes(reads_hbm=False).sum()) for prof in profiles]
-    for cost, copied in zip(costs, own):
-        cost.hbm_bytes += copied
+    for cost, copied in zip(costs, own):  # the profile's count of its own copies replaces the walk's
+        cost.hbm_bytes += copied - (0 if cost.copy_bytes is None else int(cost.copy_bytes.sum()))
     return measure(fn, args, generation, kernel_name, costs=costs, copies=copies, profiles=profiles, **options), own, calls
 
 

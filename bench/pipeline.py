@@ -85,6 +85,46 @@ def step_matmuls(schedule, runs) -> np.ndarray:
     return schedule.matmuls - (~runs) @ np.array([r.matmuls for r in schedule.regions], np.int64)
 
 
+def copying_pipeline_seconds(compute_s, fetch_bytes, write_bytes, copy_step, copy_bytes, copy_after_wait,
+                             copy_waits, bytes_per_s: float, latency_s: float = DMA_LATENCY_S) -> float:
+    """Pallas's pipeline over one core's grid steps (as `pipeline_seconds`) with the copies the
+    kernel starts itself (copy_step: the step starting each, in order; copy_after_wait: whether the
+    step starts it after its waits; copy_waits: per step, how many it waits for, in the order they
+    were started). Every copy, the pipeline's and the kernel's, is issued when its step starts (or
+    its waits end) and goes through one queue: each arrives its latency after it is
+    issued or its bytes' time after the previous copy arrives, whichever is later (copies in
+    flight overlap their latencies, not their bytes). A step computes once the copies it waits for
+    have arrived and ends when that is done and its pipeline copies (the next step's blocks, the
+    previous step's output) have arrived. With no copies of the kernel's own this is
+    `pipeline_seconds`; with a ring of D slots whose steps each copy b bytes and compute c, a step
+    lasts max(c, b / bandwidth, (latency + b / bandwidth) / (D - 1))."""
+    compute = np.asarray(compute_s, np.float64)
+    fetch, write = np.asarray(fetch_bytes, np.float64), np.asarray(write_bytes, np.float64)
+    steps = len(compute)
+    if steps == 0:
+        return 0.0
+    issued_at = np.searchsorted(copy_step, np.arange(steps + 1))  # copies started before each step
+    queue = 0.0  # when the last copy issued arrives
+
+    def issue(now, size):
+        nonlocal queue
+        queue = max(now + latency_s, queue) + size / bytes_per_s
+        return queue
+
+    now = issue(0.0, fetch[0]) if fetch[0] > 0 else 0.0
+    arrived, waited = [], 0
+    for i in range(steps):
+        pipelined = (fetch[i + 1] if i + 1 < steps else 0.0) + (write[i - 1] if i > 0 else 0.0)
+        blocks_in = issue(now, pipelined) if pipelined > 0 else now
+        mine = slice(issued_at[i], issued_at[i + 1])
+        arrived += [issue(now, size) if not after else None for size, after in zip(copy_bytes[mine], copy_after_wait[mine])]
+        ready = max([now] + arrived[waited:waited + copy_waits[i]])
+        waited += copy_waits[i]
+        arrived[mine] = [issue(ready, size) if at is None else at for size, at in zip(copy_bytes[mine], arrived[mine])]
+        now = max(ready + compute[i], blocks_in)
+    return float(issue(now, write[-1]) if write[-1] > 0 else now)
+
+
 def core_of_step(grid: tuple[int, ...], semantics: tuple[str, ...], cores: int) -> np.ndarray:
     """Which core runs each grid step: a megacore splits the first
     "parallel" axis longer than one into contiguous halves."""
@@ -101,7 +141,9 @@ def region_runs(cost, schedule) -> np.ndarray | None:
     kernel's top-level conds in program order, matched one to one (a region
     holds matmuls exactly when its cond's body does). Mosaic folds a cond
     on grid indices alone that is constant over the grid (`k == 0` with one
-    k step), so those are dropped when the counts differ. Where a block
+    k step), and predicates a body that only starts or waits for copies (or,
+    at times, any small body without matmuls): those are dropped when the
+    counts differ. Where a block
     overhangs a dim that is not a multiple of 128 (gpt-oss's 2880), Mosaic
     adds regions of its own after the kernel's, without matmuls: those count
     as running at every step. None when they cannot be matched."""
@@ -110,8 +152,10 @@ def region_runs(cost, schedule) -> np.ndarray | None:
     runs, has_dot = cost.when_runs, np.asarray(cost.when_has_dot, bool)
     folded = np.asarray(cost.when_on_grid_only, bool) & (runs.min(axis=0) == runs.max(axis=0))
     varying = ~folded
+    branched = ~np.asarray(getattr(cost, "when_copies_only", None) or [False] * runs.shape[1], bool)
     region_dots = np.array([r.matmuls > 0 for r in schedule.regions], bool)
-    for keep in (np.ones(runs.shape[1], bool), varying):
+    # Last: only the bodies with matmuls (Mosaic predicated every other: its cycles run every step).
+    for keep in (np.ones(runs.shape[1], bool), varying, branched, varying & branched, has_dot):
         ours, extra = region_dots[:keep.sum()], region_dots[keep.sum():]
         if np.array_equal(has_dot[keep], ours) and not extra.any():
             return np.concatenate([runs[:, keep], np.ones((len(runs), len(extra)), bool)], axis=1)
@@ -153,14 +197,25 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
             runs = np.ones((cost.grid_steps, len(schedule.regions)), bool)
         compute = issue = step_compute_seconds(schedule.step_cycles(runs, child_runs), cost, generation,
                                                step_matmuls(schedule, runs))
-    per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
-                                 gen.hbm_bytes_per_s / active) for c in range(active)]
+    copies = getattr(cost, "copy_step", None) is not None and profile is None
+    if copies:  # the kernel copies blocks itself (a ring): its copies and the pipeline's share one queue
+        per_core = []
+        for c in range(active):
+            steps = np.flatnonzero(core == c)
+            mine = core[cost.copy_step] == c
+            position = np.searchsorted(steps, cost.copy_step[mine])
+            per_core.append(copying_pipeline_seconds(
+                compute[steps], cost.fetch_bytes[steps], cost.write_bytes[steps], position,
+                cost.copy_bytes[mine], cost.copy_after_wait[mine], cost.copy_waits[steps], gen.hbm_bytes_per_s / active))
+    else:
+        per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
+                                     gen.hbm_bytes_per_s / active) for c in range(active)]
     # (A profile read as the whole program: its cycles are the program's already.)
     # (The fill and drain iterations run no dots: their bundles issue at the issue clock.)
     fill_clock = issue_clock_hz(generation) if getattr(cost, "dots_counted", False) and profile is None else gen.clock_hz
     fill_drain = 0.0 if profile is not None and whole_program else schedule.fill_drain_cycles / fill_clock
     total = max(per_core) + fill_drain
-    moved = cost.fetch_bytes.sum() + cost.write_bytes.sum() + own_bytes.sum()
+    moved = cost.fetch_bytes.sum() + cost.write_bytes.sum() + own_bytes.sum() + (cost.copy_bytes.sum() if copies else 0)
     return {
         "modeled": total,
         "compute": float(issue.sum()) / active,  # issue (or MXU) time, split over the active cores

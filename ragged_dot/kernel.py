@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,12 @@ class BlockSizes:
     # tiles (a tile two groups share is read once). Which wins depends on
     # the generation's FLOP/byte balance; the tuning decides.
     windows_at_group_start: bool = False
+    # Forward only: how many of the weights' blocks can be in VMEM at once. Pallas's pipeline keeps
+    # two (one computed on, the next arriving), so every step waits out one copy's latency where
+    # the step's own work is shorter (a decode step, which reads an expert's weights for a few
+    # rows). With more, the kernel copies the weights itself through a ring of that many slots,
+    # that many minus one copies in flight. Needs whole blocks (`ring_fits`).
+    weight_buffers: int = 2
 
 
 def _groups_of(visit, visit_end):
@@ -156,13 +163,79 @@ def make_visits(group_sizes: jax.Array, num_rows: int, block_m: int):
     )
 
 
+class RingPlan(NamedTuple):
+    """The weights' copies of a ring (`BlockSizes.weight_buffers` > 2), in the kernel's step order
+    within one n tile (step = visit * k_steps + k): int32 arrays in SMEM."""
+    copy_of_step: jax.Array  # [S]: the copy whose block the step multiplies
+    step_waits: jax.Array  # [S]: 1 where the step is its copy's first (waits for it)
+    copy_group: jax.Array  # [S]: each copy's group
+    copy_k_block: jax.Array  # [S]: each copy's K block
+    num_copies: jax.Array  # [1]
+
+
+def make_ring_plan(visit_group, weight_group, num_visits, num_groups: int, k_steps: int) -> RingPlan:
+    """The copies the steps need: one wherever a step's weight block (group, K block) differs from
+    the previous step's, as Pallas's pipeline would copy them. Steps past the last visit repeat its
+    block."""
+    steps = jnp.arange(visit_group.shape[0] * k_steps, dtype=jnp.int32)
+    per_step = lambda values: jnp.broadcast_to(values[:, None], (values.shape[0], k_steps)).reshape(-1)  # no gather
+    k_block = jnp.where(per_step(visit_group) >= num_groups, k_steps - 1, steps % k_steps)  # as the pipeline's k_block
+    group = per_step(weight_group)
+    real = steps < num_visits[0] * k_steps
+    new = real & ((steps == 0) | (group != jnp.roll(group, 1)) | (k_block != jnp.roll(k_block, 1)))
+    copy = jnp.cumsum(new, dtype=jnp.int32) - 1
+    # Each copy's block, from the step that starts needing it: a compare and sum over [copies, steps]
+    # (as `_groups_of`: a scatter or gather takes far longer on a TPU).
+    first_needs = new[None, :] & (copy[None, :] == steps[:, None])
+    of_copy = lambda values: jnp.sum(jnp.where(first_needs, values[None, :], 0), axis=1, dtype=jnp.int32)
+    return RingPlan(copy, new.astype(jnp.int32), of_copy(group), of_copy(k_block), jnp.sum(new, dtype=jnp.int32)[None])
+
+
+def _weight_ring(plan: RingPlan, rhs_hbm, slots, sems, depth: int, transpose_rhs: bool):
+    """Copies this step's weight block through a ring of `depth` slots and returns the slot holding
+    it. The first step of an n tile starts the first depth - 1 copies; a step that is its copy's
+    first waits for it and starts the copy depth - 1 ahead, into the slot the previous copy's steps
+    (all done) used. Every condition is top level, read from the plan (the bench's walk counts the
+    copies each step starts from them)."""
+    nn, v, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    step = v * pl.num_programs(2) + k
+    rows, cols = slots.shape[1:]
+
+    def copy(c):
+        row_block, col_block = (nn, plan.copy_k_block[c]) if transpose_rhs else (plan.copy_k_block[c], nn)
+        source = rhs_hbm.at[plan.copy_group[c], pl.ds(row_block * rows, rows), pl.ds(col_block * cols, cols)]
+        return pltpu.make_async_copy(source, slots.at[c % depth], sems.at[c % depth])
+
+    for first in range(depth - 1):
+        @pl.when(jnp.logical_and(step == 0, first < plan.num_copies[0]))
+        def _():
+            copy(first).start()
+
+    mine = plan.copy_of_step[step]
+    waits = plan.step_waits[step] == 1
+
+    @pl.when(waits)
+    def _():
+        copy(mine).wait()
+
+    @pl.when(jnp.logical_and(waits, mine + depth - 1 < plan.num_copies[0]))
+    def _():
+        copy(mine + depth - 1).start()
+
+    return slots.at[mine % depth]
+
+
 def _kernel(
-    row_start, row_end, visit_group, visit_tile, weight_group, num_visits, fill_nan,
-    lhs_ref, rhs_ref, *refs,
+    row_start, row_end, visit_group, visit_tile, weight_group, num_visits, fill_nan, *refs,
     num_groups: int, transpose_rhs: bool, precision, k_size: int, has_bias: bool, has_scale: bool,
-    has_block_scale: bool, packed: bool, int4_group: int,
+    has_block_scale: bool, packed: bool, int4_group: int, ring: int,
 ):
     refs = list(refs)
+    ring_plan = [refs.pop(0) for _ in range(len(RingPlan._fields))] if ring else None
+    lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
+    if ring:  # rhs_ref is the weights in HBM; the last two refs the ring's slots and their semaphores
+        rhs_ref = _weight_ring(RingPlan(*ring_plan), rhs_ref, *refs[-2:], ring, transpose_rhs)
+        refs = refs[:-2]
     bias_ref = refs.pop(0) if has_bias else None
     scale_ref = refs.pop(0) if has_scale else None
     block_scale_ref = refs.pop(0) if has_block_scale else None
@@ -363,6 +436,12 @@ def grouped_matmul(
     fill_flag = jnp.zeros((1,), jnp.int32) if fill_nan is None else jnp.asarray(fill_nan, jnp.int32).reshape(1)
     visits = make_visits(group_sizes, m, bm)
     prefetch = (*visits, fill_flag)
+    ring = blocks.weight_buffers if blocks.weight_buffers > 2 else 0
+    if ring:  # a slot holds a whole block of the weights as stored: K (bytes of 4-bit weights) by N, or N by K
+        k_rows, n_cols = min(bk, k) // (2 if packed else 1), min(bn, n)
+        slot = (n_cols, k_rows) if transpose_rhs else (k_rows, n_cols)
+        assert ring_fits(rhs.shape, transpose_rhs, packed, blocks), (rhs.shape, blocks)
+        prefetch += tuple(make_ring_plan(visits[2], visits[4], visits[5], num_groups, k_steps))
 
     def k_block(v, kk, visit_group):
         # Fill visits do no matmul: they pin k to the last block, the one the
@@ -394,6 +473,8 @@ def grouped_matmul(
         bk = min(bk, k)
         in_specs = [pl.BlockSpec((bm, bk // 2), lhs_map), pl.BlockSpec((None, bk // 2, bn), rhs_map)]
         operands = [lhs[:, 0::2], rhs]
+    if ring:  # the kernel copies the weights' blocks itself (`_weight_ring`)
+        in_specs[1] = pl.BlockSpec(memory_space=pl.ANY)
     for per_channel in (bias, rhs_scale):  # [G, 1, N]: a (1, bn) block per step, its group's
         if per_channel is not None:
             in_specs.append(pl.BlockSpec((None, 1, bn), per_channel_map))
@@ -425,7 +506,7 @@ def grouped_matmul(
         functools.partial(
             _kernel, num_groups=num_groups, transpose_rhs=transpose_rhs, precision=precision, k_size=k,
             has_bias=bias is not None, has_scale=rhs_scale is not None, has_block_scale=rhs_block_scale is not None,
-            packed=packed, int4_group=int4_group,
+            packed=packed, int4_group=int4_group, ring=ring,
         ),
         out_shape=jax.ShapeDtypeStruct((m, n if out_cols == bn else n_blocks * out_cols), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -433,7 +514,8 @@ def grouped_matmul(
             grid=(n_blocks, visits[-1][0], k_steps),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((bm, out_cols), out_map),
-            scratch_shapes=[pltpu.VMEM((bm, out_cols), jnp.float32)] if k_steps > 1 else [],
+            scratch_shapes=([pltpu.VMEM((bm, out_cols), jnp.float32)] if k_steps > 1 else [])
+            + ([pltpu.VMEM((ring, *slot), rhs.dtype), pltpu.SemaphoreType.DMA((ring,))] if ring else []),
         ),
         compiler_params=pltpu.CompilerParams(
             # n tiles are independent (v5p splits them over its two cores);
@@ -452,6 +534,14 @@ def grouped_matmul(
     return out[:, :2 * n]
 
 
+def ring_fits(rhs_shape, transpose_rhs: bool, packed: bool, blocks: BlockSizes) -> bool:
+    """Whether the weights can go through a ring (`BlockSizes.weight_buffers`): every block whole
+    (block_k all of K or dividing it, block_n likewise), and not 4-bit weights in lhs's gradient."""
+    n, k = (rhs_shape[1], rhs_shape[2]) if transpose_rhs else (rhs_shape[2], rhs_shape[1] * (2 if packed else 1))
+    whole = lambda block, dim: block >= dim or dim % block == 0
+    return not (packed and transpose_rhs) and whole(blocks.block_k, k) and whole(blocks.block_n, n)
+
+
 def packed_k_step(scale_dtype, int4_group: int) -> int:
     """The K step of 4-bit weights whose scales' blocks are whole tiles (32 rows of uint8, 8 of
     float32): 1024 for MXFP4 (a scale per 32), 8 groups for int4."""
@@ -459,12 +549,12 @@ def packed_k_step(scale_dtype, int4_group: int) -> int:
 
 
 def vmem_bytes(blocks: BlockSizes, itemsize: int, out_dtype) -> int:
-    """VMEM the forward kernel's buffers take: double-buffered inputs and
-    output, fp32 accumulator. The weights' gradient kernel takes the same
+    """VMEM the forward kernel's buffers take: double-buffered lhs and output, the weights' blocks
+    (`weight_buffers` of them), fp32 accumulator. The weights' gradient kernel takes the same
     with (block_m, block_k, block_n) read as (P block, rows block, Q block)."""
     bm, bk, bn = blocks.block_m, blocks.block_k, blocks.block_n
     out_item = jnp.dtype(out_dtype).itemsize
-    return 2 * (bm * bk + bk * bn) * itemsize + 2 * bm * bn * out_item + bm * bn * 4
+    return (2 * bm * bk + blocks.weight_buffers * bk * bn) * itemsize + 2 * bm * bn * out_item + bm * bn * 4
 
 
 ROW_ALIGN = 16  # a weight-gradient window starts on a packed-row boundary (16 bf16 rows)

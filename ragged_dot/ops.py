@@ -16,7 +16,7 @@ from jax.experimental.layout import Layout
 
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
-from .kernel import (INT4_GROUPS, MX_BLOCK, PACKED_CHUNK, SCALE_BLOCK, grouped_matmul, packed_k_step,
+from .kernel import (INT4_GROUPS, MX_BLOCK, PACKED_CHUNK, SCALE_BLOCK, grouped_matmul, packed_k_step, ring_fits,
                      transposed_grouped_matmul)
 from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
 
@@ -58,6 +58,14 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs, generation, interpret, bias=N
             raise ValueError(f"blocks.block_k is {blocks.block_k}: with 4-bit weights all of K ({k}) or a "
                              f"multiple of {step} (whole tiles of their scales)")
         buffers = forward_buffers(blocks, itemsize) + 8 * PACKED_CHUNK * blocks.block_n * 4
+    ring_misfits = blocks.weight_buffers > 2 and not ring_fits(rhs.shape, transpose_rhs, packed, blocks)
+    if ring_misfits and not given:  # a table entry's ring, for a call whose blocks are not whole: Pallas's two
+        blocks = dataclasses.replace(blocks, weight_buffers=2)
+    elif blocks.weight_buffers < 2 or ring_misfits:
+        raise ValueError(f"blocks.weight_buffers is {blocks.weight_buffers} for weights {tuple(rhs.shape)} at "
+                         f"block_k {blocks.block_k}, block_n {blocks.block_n}: 2, or more where every block is "
+                         "whole (block_k all of K or dividing it, block_n likewise; not 4-bit weights in lhs's "
+                         "gradient)")
     padded = round_up(m, blocks.block_m)
     lhs_padded = jnp.pad(lhs, ((0, padded - m), (0, 0))) if padded != m else lhs
     per_channel = rhs_scale is not None and rhs_scale.ndim == 2
