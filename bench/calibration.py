@@ -87,20 +87,44 @@ def derived_clock_hz(generation: str) -> float:
     return gen.bf16_flops / gen.cores_per_device / extra_flops * extra_cycles
 
 
-def weight_stream(block_rows: int, width: int):
-    """Weights [R, width] streamed from HBM in [block_rows, width] blocks through Pallas's two-deep
-    pipeline, a block's first rows summed (no MXU work): a DMA-only ring of two slots."""
-    def body(w_ref, o_ref):
+def weight_stream(block_rows: int, width: int, slots: int = 2):
+    """Weights [R, width] streamed from HBM in [block_rows, width] blocks, a block's first rows summed
+    (no MXU work): a DMA-only ring of `slots` slots. Two: Pallas's two-deep pipeline, which is such a
+    ring. More: the kernel copies the blocks itself as ragged_dot's ring does (`kernel._weight_ring`),
+    slots - 1 copies in flight."""
+    def accumulate(o_ref, block):
         @pl.when(pl.program_id(0) == 0)
         def _():
             o_ref[...] = jnp.zeros_like(o_ref)
 
-        o_ref[...] += w_ref[:8, :].astype(jnp.float32)
+        o_ref[...] += block[:8, :].astype(jnp.float32)
+
+    def ring(w_hbm, o_ref, buf, sems):
+        i, steps = pl.program_id(0), pl.num_programs(0)
+        copy = lambda j: pltpu.make_async_copy(w_hbm.at[pl.ds(j * block_rows, block_rows)], buf.at[j % slots],
+                                               sems.at[j % slots])
+        for first in range(slots - 1):
+            @pl.when(jnp.logical_and(i == 0, first < steps))
+            def _():
+                copy(first).start()
+
+        copy(i).wait()
+
+        @pl.when(i + slots - 1 < steps)
+        def _():
+            copy(i + slots - 1).start()
+
+        accumulate(o_ref, buf[i % slots])
 
     def fn(w):
+        ringed = slots > 2
         return pl.pallas_call(
-            body, grid=(w.shape[0] // block_rows,), in_specs=[pl.BlockSpec((block_rows, width), lambda i: (i, 0))],
+            ring if ringed else lambda w_ref, o_ref: accumulate(o_ref, w_ref[...]), grid=(w.shape[0] // block_rows,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY) if ringed
+                      else pl.BlockSpec((block_rows, width), lambda i: (i, 0))],
             out_specs=pl.BlockSpec((8, width), lambda i: (0, 0)), out_shape=jax.ShapeDtypeStruct((8, width), jnp.float32),
+            scratch_shapes=[pltpu.VMEM((slots, block_rows, width), w.dtype), pltpu.SemaphoreType.DMA((slots,))]
+            if ringed else [],
             name="weight_stream_calibration")(w)
     return fn
 
@@ -134,7 +158,7 @@ def case_program(case: dict):
         return dense_matmul(*case["tiling"], size=m), (bf16(m, k), bf16(k, n))
     if case["kind"] == "weight_stream":  # gate, up and down's rows in the ring's order, one array
         rows, width = case["tiling"]
-        return weight_stream(rows, width), (bf16(3 * k * n // width, width),)
+        return weight_stream(rows, width, case.get("slots", 2)), (bf16(3 * k * n // width, width),)
     if case["kind"] == "xla_mlp":
         return dense_mlp, (bf16(m, k), bf16(m, k), bf16(k), bf16(k, n), bf16(k, n), bf16(n, k))
     if isinstance(case["group_sizes"], list):

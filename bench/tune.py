@@ -53,8 +53,11 @@ from runtime.generations import GENERATIONS  # noqa: E402
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]  # the buckets 1..64 sequences reach
 PREFILL_TOKENS = [2048, 4096, 8192, 16384]
 CANDIDATES = 3  # how many of the rule model's best each entry rates with the bench
-RING_DEPTHS = (3,)  # forward: each candidate rated again with its weights through a ring this deep (enough
-# to hide a copy's latency behind the next one's bytes wherever a block takes longer to copy than a latency)
+# Forward: each candidate is rated again with its weights through a ring of 4 slots (3 copies in
+# flight). The model rates 3 and 4 alike wherever a block takes longer to copy than a latency, but
+# measured rings need more in flight than its latency implies (calibration.md: 2 MiB copies reach
+# most of tpu7x's bandwidth with 4 in flight, not with 2).
+RING_DEPTHS = (4,)
 HBM_OOM = "CompileTimeHbmOom"  # libtpu's error when a program's buffers exceed the chip's HBM
 RESULTS = harness.BENCH / "results"
 TABLE = harness.REPO / "ragged_dot" / "tuned_blocks.py"
