@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from runtime.generations import GENERATIONS  # noqa: E402
+from runtime.generations import DMA_LATENCY_S, GENERATIONS  # noqa: E402
 
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
@@ -87,19 +87,27 @@ def derived_clock_hz(generation: str) -> float:
     return gen.bf16_flops / gen.cores_per_device / extra_flops * extra_cycles
 
 
-def weight_stream(block_rows: int, width: int, slots: int = 2):
+def stream_fit(streams: list[dict]) -> dict | None:
+    """The bandwidth and per-copy latency that reproduce the two measured rings (four and two copies
+    in flight): with four the ring is bandwidth-bound (its bytes over the measured time); with two,
+    each copy arrives a latency after the one two before it, so two steps last a latency and a copy."""
+    rings = {r["slots"] - 1: r for r in streams if r["kind"] == "weight_stream" and "slots" in r}
+    if not {2, 4} <= set(rings):
+        return None
+    wide, narrow = rings[4], rings[2]
+    total = 3 * wide["k"] * wide["n"] * 2
+    bandwidth = total / (wide["measured_ms"] * 1e-3)
+    block = wide["tiling"][0] * wide["tiling"][1] * 2
+    latency = 2 * narrow["measured_ms"] * 1e-3 / narrow["grid_steps"] - block / bandwidth
+    return dict(bandwidth=bandwidth, share=bandwidth / GENERATIONS[wide["generation"]].hbm_bytes_per_s, latency=latency)
+
+
+def weight_stream(block_rows: int, width: int, slots: int):
     """Weights [R, width] streamed from HBM in [block_rows, width] blocks, a block's first rows summed
-    (no MXU work): a DMA-only ring of `slots` slots. Two: Pallas's two-deep pipeline, which is such a
-    ring. More: the kernel copies the blocks itself as ragged_dot's ring does (`kernel._weight_ring`),
-    slots - 1 copies in flight."""
-    def accumulate(o_ref, block):
-        @pl.when(pl.program_id(0) == 0)
-        def _():
-            o_ref[...] = jnp.zeros_like(o_ref)
-
-        o_ref[...] += block[:8, :].astype(jnp.float32)
-
-    def ring(w_hbm, o_ref, buf, sems):
+    (no MXU work): a DMA-only ring of `slots` slots that the kernel fills itself as ragged_dot's ring
+    does (`kernel._weight_ring`): at each step it waits for its block, then starts the copy
+    slots - 1 blocks ahead (slots - 1 in flight)."""
+    def body(w_hbm, o_ref, buf, sems):
         i, steps = pl.program_id(0), pl.num_programs(0)
         copy = lambda j: pltpu.make_async_copy(w_hbm.at[pl.ds(j * block_rows, block_rows)], buf.at[j % slots],
                                                sems.at[j % slots])
@@ -114,17 +122,17 @@ def weight_stream(block_rows: int, width: int, slots: int = 2):
         def _():
             copy(i + slots - 1).start()
 
-        accumulate(o_ref, buf[i % slots])
+        @pl.when(i == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        o_ref[...] += buf[i % slots][:8, :].astype(jnp.float32)
 
     def fn(w):
-        ringed = slots > 2
         return pl.pallas_call(
-            ring if ringed else lambda w_ref, o_ref: accumulate(o_ref, w_ref[...]), grid=(w.shape[0] // block_rows,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY) if ringed
-                      else pl.BlockSpec((block_rows, width), lambda i: (i, 0))],
+            body, grid=(w.shape[0] // block_rows,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((8, width), lambda i: (0, 0)), out_shape=jax.ShapeDtypeStruct((8, width), jnp.float32),
-            scratch_shapes=[pltpu.VMEM((slots, block_rows, width), w.dtype), pltpu.SemaphoreType.DMA((slots,))]
-            if ringed else [],
+            scratch_shapes=[pltpu.VMEM((slots, block_rows, width), w.dtype), pltpu.SemaphoreType.DMA((slots,))],
             name="weight_stream_calibration")(w)
     return fn
 
@@ -150,7 +158,7 @@ def case_program(case: dict):
     """(fn, abstract and concrete arguments) of one measured case: megablox's
     gmm (tokamax's Pallas kernel is its fork: same body and grid) at the
     recorded tiles, the guide's dense matmul, or a decode step's weights
-    streamed (a two-slot DMA ring over a dense MLP's weights, or that MLP
+    streamed (a DMA ring over a dense MLP's weights, or that MLP
     compiled by XLA)."""
     m, k, n = case["m"], case["k"], case["n"]
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -158,7 +166,7 @@ def case_program(case: dict):
         return dense_matmul(*case["tiling"], size=m), (bf16(m, k), bf16(k, n))
     if case["kind"] == "weight_stream":  # gate, up and down's rows in the ring's order, one array
         rows, width = case["tiling"]
-        return weight_stream(rows, width, case.get("slots", 2)), (bf16(3 * k * n // width, width),)
+        return weight_stream(rows, width, case["slots"]), (bf16(3 * k * n // width, width),)
     if case["kind"] == "xla_mlp":
         return dense_mlp, (bf16(m, k), bf16(m, k), bf16(k), bf16(k, n), bf16(k, n), bf16(n, k))
     if isinstance(case["group_sizes"], list):
@@ -463,7 +471,7 @@ def write_calibration(rows: list[dict], out: Path) -> None:
         [summary(f"attention, tokamax's autotuning cache on {g} (tpu7x's rows fit its issue clock)",
                  [r for r in cached if r["generation"] == g]) for g in dict.fromkeys(r["generation"] for r in cached)]) + (
         [summary("XLA's own ragged_dot (ops around kernels are modeled the same way)", xla)] if xla else []) + (
-        [summary("a decode step's weights streamed from HBM (tpu7x: a Pallas two-slot ring, XLA's dense MLP)", streams)]
+        [summary("a decode step's weights streamed from HBM (tpu7x: DMA rings, XLA's dense MLP)", streams)]
         if streams else []) + (
         [summary(label, group) for label, group in (
             ("ragged paged attention v3, full attention (sglang-jax's tpu7x measurements)",
@@ -528,19 +536,28 @@ def write_calibration(rows: list[dict], out: Path) -> None:
             "",
             "A decode step reads each weight once, so its time is the weights' bytes over what HBM delivers.",
             "helion's measurements on one tpu7x core, Qwen3-8B's dense MLP at one token (gate and up [4096, 12288],",
-            "down [12288, 4096], bf16): `weight_stream`, its DMA-only ring with two slots of [256, 4096] (2 MiB),",
-            "modeled as a Pallas kernel streaming the same bytes in the same blocks through Pallas's two-deep",
-            "pipeline, which is such a ring; `xla_mlp`, the MLP (RMSNorm, projections, SiLU, residual) compiled by XLA.",
+            "down [12288, 4096], bf16): `weight_stream`, its DMA-only ring of [256, 4096] (2 MiB) copies with D of",
+            "them in flight (helion's ring depth: its slots, the prefetch distance in copies), modeled as a Pallas",
+            "kernel that copies the same blocks in the same order itself, D in flight (ragged_dot's ring, which",
+            "needs a slot more: it starts a copy before reading the slot it waited for); `xla_mlp`, the MLP",
+            "(RMSNorm, projections, SiLU, residual) compiled by XLA.",
             "",
-            "| kernel | gen | weights MiB | blocks | measured us | MODELED us | ratio | kernel DMA us | XLA ops us "
-            "| grid steps |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| kernel | gen | weights MiB | blocks | copies in flight | measured us | MODELED us | ratio | kernel DMA us "
+            "| XLA ops us | grid steps |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in streams:
             lines.append(
                 f"| {r['kind']} | {r['generation']} | {3 * r['k'] * r['n'] * 2 / 2**20:.0f} "
-                f"| {'x'.join(map(str, r['tiling'])) or 'XLA'} | {r['measured_ms'] * 1e3:.1f} | {r['modeled_ms'] * 1e3:.1f} "
+                f"| {'x'.join(map(str, r['tiling'])) or 'XLA'} | {r['slots'] - 1 if 'slots' in r else '-'} "
+                f"| {r['measured_ms'] * 1e3:.1f} | {r['modeled_ms'] * 1e3:.1f} "
                 f"| {r['ratio']:.2f} | {r['dma_ms'] * 1e3:.1f} | {r['xla_ops_ms'] * 1e3:.1f} | {r['grid_steps']} |")
+        fit = stream_fit(streams)
+        if fit:
+            lines += ["", f"Both rings fit one line: a copy arrives its latency after it starts or its bytes' time after "
+                      f"the copy before it, at {fit['bandwidth'] / 1e12:.2f} TB/s ({fit['share']:.0%} of the table's) "
+                      f"with a latency of {fit['latency'] * 1e6:.2f} us (the model: the table's bandwidth, "
+                      f"{DMA_LATENCY_S * 1e6:.1f} us)."]
     if paged:
         lines += [
             "",
@@ -593,15 +610,18 @@ Where the model is off, and why (what it cannot see):
   on v5e (one point) the model is 0.50x: there the trips' cycles and DMAs (2.6 and 2.8 ms) add up
   to the measured 5.6 ms, as if they did not overlap, while the model keeps the longer. Before the
   trips were counted (the loop once) the first four rows were 0.18-0.29x.
-- A decode step's weights streamed (tpu7x): each DMA costs its bytes at the table's HBM bandwidth plus a
-  fixed latency, which reproduces the measured two-slot ring of 2 MiB DMAs (1x). With 8 MiB or more in
-  flight (four slots or more) the ring measured 3.29 TB/s, 89% of the table's 3.69 TB/s (a streamed copy
-  in tpu-inference issue 3520: 3.21 TB/s): the ceiling. Pallas's pipeline has two slots, and the model
-  puts a two-slot stream of blocks past about 8 MiB above that ceiling (the latency shrinks against the
-  bytes while the bandwidth stays the table's). XLA's ops are modeled at the table's full bandwidth with no
-  latency, so the MLP XLA streamed at 2.99 TB/s is modeled 0.81x: XLA rows that stream weights at decode
-  (the headline's eager loop, grouped_mm, batched_mm) are modeled about a fifth faster than this
-  measurement of XLA, where a Pallas kernel's two-slot stream of 2 MiB blocks is not. These are one
+- A decode step's weights streamed (tpu7x): the model's copies run at the table's HBM bandwidth with a
+  fixed latency of 0.3 us each. helion's ring of 2 MiB copies measured 3.29 TB/s with four in flight (89% of
+  the table's 3.69 TB/s; a streamed copy in tpu-inference issue 3520: 3.21 TB/s), so the model is about a
+  tenth fast there (0.90x); with two in flight it measured 127 us, where the model hides the latency
+  behind the second copy and is 0.65x: the copies' latency is longer than the model's (the fit under the
+  table). The same latency would make Pallas's two-slot pipeline (one copy in flight, which no
+  measurement here shows) slower than modeled wherever a step's copy takes longer than its compute, as
+  at decode; a ring of 2 MiB copies or more with three in flight (ragged_dot's tuned decode entries) is
+  bandwidth-bound under the fit as under the model, so the model flatters it about as much as the ring
+  with four. XLA's ops are modeled at the table's full bandwidth with no latency, so the MLP XLA streamed
+  at 2.99 TB/s is modeled 0.81x: XLA rows that stream weights at decode (the headline's eager loop,
+  grouped_mm, batched_mm) are modeled about a fifth faster than this measurement of XLA. These are one
   chip's points: what HBM delivers on the other generations is not measured here.
 - Ragged paged attention v3 (tpu7x): at full attention over 16k-token contexts, as our paged bench's rows
   run (long contexts, the cache read once), the model is within a tenth of the measured times. With a

@@ -327,11 +327,15 @@ def _copies_only(jaxpr) -> bool:
     return bool(used & {"dma_start", "dma_wait"}) and not used & {"swap", "dot_general", "cond", "while", "scan"}
 
 
-def _copy_bytes_of(eqn) -> int:
-    """Bytes one `dma_start` moves: its destination's shape after its indexing."""
+def _copy_bytes_of(eqn) -> int | None:
+    """Bytes one `dma_start` moves: its destination's shape after its indexing (None for a view the
+    walk does not read: a bitcast or reshape of the destination)."""
     _, dst, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)
-    shape = dst.transforms[-1].get_indexer_shape() if getattr(dst, "transforms", ()) else dst.aval.shape
-    return math.prod(shape) * np.dtype(dst.ref.aval.dtype if hasattr(dst, "ref") else dst.aval.dtype).itemsize
+    transforms = getattr(dst, "transforms", ())
+    if not all(hasattr(t, "get_indexer_shape") for t in transforms):
+        return None
+    shape = transforms[-1].get_indexer_shape() if transforms else dst.aval.shape
+    return math.prod(shape) * np.dtype((dst.ref if transforms else dst).aval.dtype).itemsize
 
 
 def _has_dma(jaxpr) -> bool:
@@ -374,7 +378,7 @@ def _own_copies(kernel_jaxpr, when_runs, when_known, num_steps: int):
             waits.append(np.ones(num_steps, bool))
         elif _has_dma_in(eqn):
             return unknown
-    if not starts:
+    if not starts or any(size is None for _, size, _ in starts):
         return unknown
     started = np.stack([runs for runs, _, _ in starts], axis=1)  # [steps, starts]: step-major is start order
     step, which = np.nonzero(started)

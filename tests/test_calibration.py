@@ -64,7 +64,8 @@ def _known_off(case):
     ragged_dot on v5e (0.5x: its trips' compute and DMAs add up to the measured time there, while
     on tpu7x the longer of the two matches it, as the model takes it) and where it tiles the
     contraction of weights [G, N, K] inside its loop (counted once); and ragged paged attention v3
-    with a 128-token window (a page or two per sequence: copies the model overlaps entirely)."""
+    with a 128-token window (a page or two per sequence: copies the model overlaps entirely); a DMA
+    ring with two copies in flight (their latency is longer than the model's)."""
     if case["kind"] == "xla_ragged_dot" and case["generation"] == "v5e":
         return (0.45, 1 / TARGET)
     if case["kind"] == "xla_ragged_dot" and case.get("transpose_rhs") and case["k"] >= 2048:
@@ -75,6 +76,8 @@ def _known_off(case):
         return (0.6, 1 / TARGET)
     if case["kind"] == "rpa_v3" and case["sliding_window"]:
         return (0.2, 1 / TARGET)  # a page or two per sequence: its copies' latency, not charged by the model
+    if case["kind"] == "weight_stream" and case["slots"] - 1 == 2:
+        return (0.6, 1 / TARGET)  # two copies in flight: their latency, longer than the model's
     return None
 
 
@@ -104,12 +107,21 @@ def test_before_the_two_rate_fix_tpu7x_attention_was_off():
 
 
 def test_the_headline_verdict_quotes_the_decode_streaming_points():
-    """helion's tpu7x decode points (a Pallas two-slot weight stream, XLA's dense MLP) are rows, and
-    headline.md's verdict says what they imply for its losses with their current ratios: the model
-    flatters XLA's weight streaming (below 1), not Pallas' two-slot stream (within a tenth)."""
-    ratio = {r["kind"]: r["ratio"] for r in ROWS if r["kind"] in ("weight_stream", "xla_mlp")}
-    assert set(ratio) == {"weight_stream", "xla_mlp"}
-    assert ratio["xla_mlp"] < 1 / 1.1 and abs(ratio["weight_stream"] - 1) < 0.1
+    """helion's tpu7x decode points (DMA rings of 2 MiB copies, four and two in flight; XLA's dense MLP)
+    are rows: the model is within a tenth of the four-in-flight ring (bandwidth), short of the
+    two-in-flight one (its copy latency: the fit puts it near 1.1 us, not the model's 0.3), and
+    flatters XLA's weight streaming; headline.md's verdict quotes their current ratios."""
+    ratio = {(r["kind"], r.get("slots")): r["ratio"] for r in ROWS if r["kind"] in ("weight_stream", "xla_mlp")}
+    assert set(ratio) == {("weight_stream", 3), ("weight_stream", 5), ("xla_mlp", None)}
+    assert ratio["xla_mlp", None] < 1 / 1.1 and abs(ratio["weight_stream", 5] - 1) < 0.12
+    assert ratio["weight_stream", 3] < 1 / 1.3
+    import calibration
+
+    fit = calibration.stream_fit([r for r in ROWS if r["kind"] == "weight_stream"])
+    assert 0.85 < fit["share"] < 0.93 and 0.9e-6 < fit["latency"] < 1.4e-6
     verdict = " ".join((BENCH / "results" / "headline.md").read_text().split("## Quantized")[0].split())
-    assert f"is modeled {ratio['xla_mlp']:.2f}x its measured time" in verdict
-    assert f"weight stream {ratio['weight_stream']:.2f}x" in verdict
+    assert f"is modeled {ratio['xla_mlp', None]:.2f}x its measured time" in verdict
+    assert (f"{ratio['weight_stream', 5]:.2f}x with four copies in flight and {ratio['weight_stream', 3]:.2f}x with two"
+            in verdict)
+
+

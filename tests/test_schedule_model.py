@@ -127,6 +127,19 @@ def test_regions_match_the_kernels_conds_and_mosaics_own_count_as_running():
     assert pipeline.region_runs(cost, schedule) is None
 
 
+def test_regions_of_predicated_bodies_are_dropped():
+    """Conds [start a copy, wait for it, pass, fill]: Mosaic predicates the copies' bodies (no region)
+    and here the fill's too; the schedule's one region is the pass, whose steps are its own."""
+    region = lambda matmuls: tpu_schedule.Region(0, 1, 10, matmuls)
+    runs = np.array([[True, True, True, False], [False, True, False, True], [False, False, True, False]])
+    cost = types.SimpleNamespace(when_known=[True] * 4, when_runs=runs, when_has_dot=[False, False, True, False],
+                                 when_on_grid_only=[False] * 4, when_copies_only=[True, True, False, False])
+    with_fill = types.SimpleNamespace(regions=[region(4), region(0)])
+    np.testing.assert_array_equal(pipeline.region_runs(cost, with_fill), runs[:, 2:])
+    pass_only = types.SimpleNamespace(regions=[region(4)])
+    np.testing.assert_array_equal(pipeline.region_runs(cost, pass_only), runs[:, 2:3])
+
+
 def test_megacore_splits_the_first_parallel_axis():
     core = pipeline.core_of_step((1, 4, 3), ("parallel", "parallel", "arbitrary"), cores=2)
     np.testing.assert_array_equal(core.reshape(4, 3), [[0] * 3, [0] * 3, [1] * 3, [1] * 3])
