@@ -519,19 +519,19 @@ def experts_forward(
     num_experts = up_proj.shape[0]
     ids = jnp.clip(top_k_index, 0, num_experts)  # what the kernels walk; invalid ids are reported below
     order, group_sizes = route(ids, num_experts)
-    expert_of_row = ids.reshape(-1)[order]
-    routed_here = expert_of_row < num_experts
-    x = hidden_states[order // top_k]
+    unsort = jnp.argsort(order)  # sorted row of each (token, slot)
+    # Each (token, slot)'s weight, zero where its expert is on another shard (its row is in no group).
+    slot_weight = jnp.where(ids < num_experts, top_k_weights, 0).astype(jnp.float32).reshape(-1)
+    x = take_rows(hidden_states, order // top_k)
 
     def project(inputs, weights, bias, scale):
         # The bias is added in the kernel's epilogue, to its group's rows only: rows routed elsewhere
         # are in no group and stay exactly zero.
         scale = n_major(scale, not transposed, weights.dtype)
         weights, transpose_rhs = as_stored(weights, not transposed)
-        return _ragged_dot(inputs, weights, group_sizes, bias, None, scale, transpose_rhs, generation,
-                           interpret).astype(jnp.float32)
+        return _ragged_dot(inputs, weights, group_sizes, bias, None, scale, transpose_rhs, generation, interpret)
 
-    h = project(x, up_proj, up_bias, up_scale)
+    h = project(x, up_proj, up_bias, up_scale).astype(jnp.float32)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
     # down_proj may be zero-padded (DOWN_PAD): the activations to its intermediate, its bias to its hidden.
     down_held = weight_shape(down_proj.shape, down_proj.dtype, not transposed)
@@ -539,14 +539,11 @@ def experts_forward(
     act = jnp.pad(act, ((0, 0), (0, down_inter - act.shape[1])))
     if down_bias is not None:
         down_bias = jnp.pad(down_bias, ((0, 0), (0, down_hidden - down_bias.shape[1])))
-    weight = jnp.where(routed_here, top_k_weights.reshape(-1)[order].astype(jnp.float32), 0)
     if down_scale is None and down_held_experts_minor(down_proj, num_tokens, generation):
-        out = _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, hidden_states.dtype)
+        out = _down_as_held(act, slot_weight, unsort, ids, down_proj, down_bias, transposed, hidden_states.dtype)
     else:
-        y = project(act.astype(hidden_states.dtype), down_proj, down_bias, down_scale)
-        weighted = y * weight[:, None]
-        unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
-        out = unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
+        y = take_rows(project(act.astype(hidden_states.dtype), down_proj, down_bias, down_scale), unsort)
+        out = (y.astype(jnp.float32) * slot_weight[:, None]).reshape(num_tokens, top_k, -1).sum(axis=1)
     out = out[:, :hidden_states.shape[1]]
     ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
     return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)
@@ -564,7 +561,28 @@ def down_held_experts_minor(down_proj, num_tokens: int, generation: str) -> bool
     return order is not None and order[0] != 0 and num_tokens <= chip.bf16_flops / chip.hbm_bytes_per_s
 
 
-def _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, dtype):
+ONE_HOT_ROWS = 512  # `take_rows` gathers from a table of up to this many rows by a one-hot matmul
+
+
+def take_rows(table, index):
+    """table[index] for a [R, C] table: for a 16-bit table of up to ONE_HOT_ROWS rows (a decode
+    step's tokens, or its routed rows) a one-hot matmul, exact (one term per output, one MXU pass),
+    which takes the MXU a fraction of the time a TPU takes to gather the rows; else a gather.
+
+    A non-finite entry would reach every row of the product (0 x inf is NaN): the product takes
+    the finite entries only, and a row whose source holds any other is NaN whole (what a matmul
+    of it gives anyway), so one token's overflow or NaN stays its own."""
+    if table.shape[0] > ONE_HOT_ROWS or table.dtype.itemsize != 2:
+        return table[index]
+    one_hot = (index[:, None] == jnp.arange(table.shape[0], dtype=index.dtype)[None, :]).astype(table.dtype)
+    finite = jnp.isfinite(table)
+    rows = jnp.dot(one_hot, jnp.where(finite, table, 0), preferred_element_type=jnp.float32)
+    spoilt = jnp.dot(one_hot, jnp.logical_not(jnp.all(finite, axis=1)).astype(table.dtype),
+                     preferred_element_type=jnp.float32)
+    return jnp.where(spoilt[:, None] > 0, jnp.nan, rows).astype(table.dtype)
+
+
+def _down_as_held(act, slot_weight, unsort, ids, down_proj, down_bias, transposed, dtype):
     """The down projection, weighted and summed over each token's experts, as one matmul that
     contracts the intermediate and experts dims of down_proj where they lie (XLA reads it as held,
     no copy): the token's weighted activations scattered to their experts' positions, a [T, I, E]
@@ -572,7 +590,7 @@ def _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, dty
     where the grouped path rounds act and weighs in f32: the same one rounding."""
     num_tokens, top_k = ids.shape
     num_experts = down_proj.shape[0]
-    rows = jnp.zeros_like(act).at[order].set(act * weight[:, None]).reshape(num_tokens, top_k, -1).astype(dtype)
+    rows = (take_rows(act, unsort) * slot_weight[:, None]).reshape(num_tokens, top_k, -1).astype(dtype)
     experts = jax.nn.one_hot(ids, num_experts, dtype=dtype)  # the sentinel id E: a row of zeros
     exact = jax.lax.Precision.HIGHEST  # f32 operands stay f32 (bf16 ones are exact at any precision)
     # Each (token, expert) takes one slot's row times 1 (top-k ids are distinct): exact.
@@ -581,7 +599,7 @@ def _down_as_held(act, weight, order, ids, down_proj, down_bias, transposed, dty
     out = jnp.einsum("tie,eih->th" if transposed else "tie,ehi->th", scattered, down_proj, precision=exact,
                      preferred_element_type=jnp.float32)
     if down_bias is not None:
-        routed = experts * jnp.zeros_like(weight).at[order].set(weight).reshape(num_tokens, top_k)[..., None]
+        routed = experts * slot_weight.reshape(num_tokens, top_k)[..., None]
         out = out + jnp.einsum("tke,eh->th", routed, down_bias.astype(jnp.float32), precision=exact)
     return out
 

@@ -433,3 +433,47 @@ def test_given_blocks_are_the_forward_kernels():
     assert grids(given) != grids(lambda x: ops.ragged_dot(x, rhs, sizes))
     want = ops.ragged_dot(lhs, rhs, sizes)  # fp32: only the summation order differs (K in two steps)
     np.testing.assert_allclose(given(lhs), want, rtol=0, atol=1e-5 * max_abs(want))
+
+
+@pytest.mark.parametrize("rows", [8, 512, 513], ids=["few", "one_hot_limit", "gathered"])
+def test_take_rows_is_the_gather_and_keeps_a_rows_nan_its_own(rows):
+    """take_rows equals table[index] bit for bit (a one-hot matmul up to ONE_HOT_ROWS rows of a
+    16-bit table: one term per output), and a source row holding NaN or inf spoils only the rows
+    taken from it (whole NaN through the matmul; as they are through the gather). The matmul's
+    gradient is the gather's, summed in fp32."""
+    rng = np.random.default_rng(7)
+    table = jnp.asarray(rng.standard_normal((rows, 384)), jnp.bfloat16)
+    index = jnp.asarray(rng.integers(0, rows, 600), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(ops.take_rows(table, index), np.float32),
+                                  np.asarray(table[index], np.float32))
+    spoilt = table.at[3, 5].set(jnp.nan).at[rows - 1, 0].set(jnp.inf)
+    got, want = np.asarray(ops.take_rows(spoilt, index), np.float32), np.asarray(spoilt[index], np.float32)
+    bad = np.isin(np.asarray(index), [3, rows - 1])
+    np.testing.assert_array_equal(got[~bad], want[~bad])
+    if rows > ops.ONE_HOT_ROWS:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert np.isnan(got[bad]).all()
+    if rows > ops.ONE_HOT_ROWS:
+        return  # XLA's gather, and its gradient
+    cotangent = jnp.asarray(rng.standard_normal((600, 384)), jnp.float32)
+    grad = jax.grad(lambda t: jnp.sum(ops.take_rows(t, index).astype(jnp.float32) * cotangent))(table)
+    want_grad = jnp.zeros((rows, 384), jnp.float32).at[index].add(cotangent)
+    assert max_error(grad.astype(jnp.float32), want_grad) <= 2 ** -8 * max_abs(want_grad)
+
+
+def test_a_tokens_nan_stays_its_own_at_decode():
+    """bf16 decode (rows gathered and combined by one-hot matmuls): a token whose hidden state holds
+    NaN, and one holding inf, leave every other token's output as it is without them."""
+    rng = np.random.default_rng(8)
+    t, h, i, e, k = 16, 256, 128, 8, 2
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.bfloat16)
+    ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
+    weights, up, down = normal(t, k), normal(e, 2 * i, h), normal(e, h, i)
+    hidden = normal(t, h)
+    clean = ops.experts_forward(hidden, ids, weights, up, down, generation="v6e", interpret=True)
+    spoilt = ops.experts_forward(hidden.at[3, 7].set(jnp.nan).at[9, 0].set(jnp.inf), ids, weights, up, down,
+                                 generation="v6e", interpret=True)
+    others = np.setdiff1d(np.arange(t), [3, 9])
+    np.testing.assert_array_equal(np.asarray(spoilt[others], np.float32), np.asarray(clean[others], np.float32))
+    assert not np.isfinite(np.asarray(spoilt[np.array([3, 9])], np.float32)).any()

@@ -167,6 +167,8 @@ def test_experts_forward_compiles_and_fits_vmem(generation, tokens):
     # live alongside): within the chip, and at least about our double-buffered blocks.
     assert used[-1] <= gen.vmem_bytes, used
     assert all(u >= 0.5 * need for u, need in zip(used, sorted(needs))), (used, needs)
+    if tokens * k <= ops.ONE_HOT_ROWS:  # a decode step takes its rows by one-hot matmuls: no row gathered
+        assert not [op for op in report.other_ops if op.startswith(("gather", "scatter"))], sorted(report.other_ops)
 
 
 @pytest.mark.parametrize("generation,tokens",
