@@ -435,17 +435,21 @@ def quantize_int4(weights, group: int = 128):
     return nibbles[:, :, 0] | (nibbles[:, :, 1] << 4), scale
 
 
-def route(top_k_index, num_experts):
+def route(top_k_index, num_experts, top_k_weights=None):
     """Sorts (token, slot) pairs by expert.
 
     Returns (order, group_sizes): `order[r]` is the flat (token * k + slot)
     index of sorted row r; the expert-parallel sentinel id `num_experts`
-    sorts last and is in no group, so its rows are never computed.
+    sorts last and is in no group, so its rows are never computed. With
+    top_k_weights, also each sorted row's weight (sorted along: no gather).
     """
     flat = top_k_index.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts]
-    return order, group_sizes.astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    if top_k_weights is None:
+        return jnp.argsort(flat, stable=True), group_sizes
+    _, order, weights = jax.lax.sort((flat, jnp.arange(flat.shape[0], dtype=jnp.int32), top_k_weights.reshape(-1)),
+                                     num_keys=1, is_stable=True)
+    return order, group_sizes, weights
 
 
 # Activations by name; the torch layer maps transformers' modules to these.
@@ -518,10 +522,10 @@ def experts_forward(
     num_tokens, top_k = top_k_index.shape
     num_experts = up_proj.shape[0]
     ids = jnp.clip(top_k_index, 0, num_experts)  # what the kernels walk; invalid ids are reported below
-    order, group_sizes = route(ids, num_experts)
-    unsort = jnp.argsort(order)  # sorted row of each (token, slot)
     # Each (token, slot)'s weight, zero where its expert is on another shard (its row is in no group).
-    slot_weight = jnp.where(ids < num_experts, top_k_weights, 0).astype(jnp.float32).reshape(-1)
+    slot_weight = jnp.where(ids < num_experts, top_k_weights, 0)
+    order, group_sizes, row_weight = route(ids, num_experts, slot_weight)
+    slot_weight = slot_weight.astype(jnp.float32).reshape(-1)
     x = take_rows(hidden_states, order // top_k)
 
     def project(inputs, weights, bias, scale):
@@ -540,10 +544,11 @@ def experts_forward(
     if down_bias is not None:
         down_bias = jnp.pad(down_bias, ((0, 0), (0, down_hidden - down_bias.shape[1])))
     if down_scale is None and down_held_experts_minor(down_proj, num_tokens, generation):
-        out = _down_as_held(act, slot_weight, unsort, ids, down_proj, down_bias, transposed, hidden_states.dtype)
+        out = _down_as_held(act, slot_weight, jnp.argsort(order), ids, down_proj, down_bias, transposed,
+                            hidden_states.dtype)
     else:
-        y = take_rows(project(act.astype(hidden_states.dtype), down_proj, down_bias, down_scale), unsort)
-        out = (y.astype(jnp.float32) * slot_weight[:, None]).reshape(num_tokens, top_k, -1).sum(axis=1)
+        y = project(act.astype(hidden_states.dtype), down_proj, down_bias, down_scale)
+        out = combine_rows(y, order, row_weight, slot_weight, top_k)
     out = out[:, :hidden_states.shape[1]]
     ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
     return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)
@@ -566,7 +571,7 @@ ONE_HOT_ROWS = 512  # `take_rows` gathers from a table of up to this many rows b
 
 def take_rows(table, index):
     """table[index] for a [R, C] table: for a 16-bit table of up to ONE_HOT_ROWS rows (a decode
-    step's tokens, or its routed rows) a one-hot matmul, exact (one term per output, one MXU pass),
+    step's tokens) a one-hot matmul, exact (one term per output, one MXU pass),
     which takes the MXU a fraction of the time a TPU takes to gather the rows; else a gather.
 
     A non-finite entry would reach every row of the product (0 x inf is NaN): the product takes
@@ -580,6 +585,33 @@ def take_rows(table, index):
     spoilt = jnp.dot(one_hot, jnp.logical_not(jnp.all(finite, axis=1)).astype(table.dtype),
                      preferred_element_type=jnp.float32)
     return jnp.where(spoilt[:, None] > 0, jnp.nan, rows).astype(table.dtype)
+
+
+COMBINE_TOKENS = 256  # `combine_rows` sums a step of up to this many tokens by one matmul
+
+
+def combine_rows(y, order, row_weight, slot_weight, top_k):
+    """Each token's output: its slots' rows of y (sorted by expert, `order`) times their weights,
+    summed in fp32. Up to COMBINE_TOKENS tokens of a 16-bit y: one matmul of a [tokens, rows] matrix
+    holding each row's weight (row_weight: the weights sorted as the rows) in its token's row, by y
+    (exact products of 16-bit weights; fp32 weights at full precision), with no gather or scatter of
+    rows; a non-finite row of y is left out of the product and its token's output is NaN, so it
+    stays its own. Else the rows gathered back to token order (`take_rows`) and summed."""
+    num_tokens = order.shape[0] // top_k
+    if num_tokens > COMBINE_TOKENS or y.dtype.itemsize != 2:
+        rows = take_rows(y, jnp.argsort(order)).astype(jnp.float32)
+        return (rows * slot_weight[:, None]).reshape(num_tokens, top_k, -1).sum(axis=1)
+    mine = (order // top_k)[None, :] == jnp.arange(num_tokens, dtype=order.dtype)[:, None]  # [tokens, rows]
+    weights = jnp.where(mine, row_weight[None, :], 0)
+    finite = jnp.isfinite(y)
+    y = jnp.where(finite, y, 0)
+    if row_weight.dtype.itemsize == 2:
+        out = jnp.dot(weights.astype(y.dtype), y, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.dot(weights.astype(jnp.float32), y.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    spoilt = jnp.dot(mine.astype(y.dtype), jnp.logical_not(jnp.all(finite, axis=1)).astype(y.dtype),
+                     preferred_element_type=jnp.float32)
+    return jnp.where(spoilt[:, None] > 0, jnp.nan, out)
 
 
 def _down_as_held(act, slot_weight, unsort, ids, down_proj, down_bias, transposed, dtype):
