@@ -617,7 +617,7 @@ Where the model is off, and why (what it cannot see):
   behind the second copy and is 0.65x: the copies' latency is longer than the model's (the fit under the
   table). The same latency would make Pallas's two-slot pipeline (one copy in flight, which no
   measurement here shows) slower than modeled wherever a step's copy takes longer than its compute, as
-  at decode; a ring of 2 MiB copies or more with three in flight (ragged_dot's tuned decode entries) is
+  at decode; a ring of 2 MiB copies or more with three in flight (ragged_dot's ring entries) is
   bandwidth-bound under the fit as under the model, so the model flatters it about as much as the ring
   with four. XLA's ops are modeled at the table's full bandwidth with no latency, so the MLP XLA streamed
   at 2.99 TB/s is modeled 0.81x: XLA rows that stream weights at decode (the headline's eager loop,
