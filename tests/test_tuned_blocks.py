@@ -182,8 +182,11 @@ def test_rule_and_bench_rank_candidates_alike(generation):
     Dims that are not multiples of 128 (gpt-oss's 2880) are left out: blocks
     that overhang them make Mosaic emit extra regions the rule's model does
     not see (on v5e it rates a pair the bench sets 20% apart 1% the other
-    way); the tables hold those shapes, rated by the bench itself."""
-    records = [r for r in tune.records(generation) if "transpose_rhs" in r and tune.rated_by_this_model(r)
+    way); the tables hold those shapes, rated by the bench itself. The rule's model has no ring of
+    weight blocks (`BlockSizes.weight_buffers`): only candidates of the same pipeline are paired,
+    from records of ragged-dot v2's kernel on (revision 2: before rings were candidates)."""
+    records = [r for r in tune.records(generation) if "transpose_rhs" in r and r.get("revision", 1) >= 2
+               and any("rule_model_us" in c for c in r.get("candidates", []))
                and sum("modeled_us" in c for c in r.get("candidates", [])) > 1
                and r["key"][1] % 128 == 0 and r["key"][2] % 128 == 0]
     if not records:
@@ -193,10 +196,11 @@ def test_rule_and_bench_rank_candidates_alike(generation):
         rows, k, n, groups, itemsize = r["key"]
         rate = lambda c: tuning.modeled_seconds(r["kind"], rows, k, n, groups, kernel.BlockSizes(*c["blocks"]),
                                                 generation, itemsize, r["transpose_rhs"]) * 1e6
-        rated = [(c["modeled_us"], rate(c)) for c in r["candidates"] if "modeled_us" in c]
-        for i, (bench_a, rule_a) in enumerate(rated):
-            for bench_b, rule_b in rated[i + 1:]:
-                if abs(bench_a - bench_b) > RANK_MARGIN * min(bench_a, bench_b):
+        rated = [(c["modeled_us"], rate(c), kernel.BlockSizes(*c["blocks"]).weight_buffers)
+                 for c in r["candidates"] if "modeled_us" in c]
+        for i, (bench_a, rule_a, buffers_a) in enumerate(rated):
+            for bench_b, rule_b, buffers_b in rated[i + 1:]:
+                if buffers_a == buffers_b and abs(bench_a - bench_b) > RANK_MARGIN * min(bench_a, bench_b):
                     pairs += 1
                     rule_tie = abs(rule_a - rule_b) <= RULE_TIE * min(rule_a, rule_b)
                     if not rule_tie and (bench_a < bench_b) != (rule_a < rule_b):
