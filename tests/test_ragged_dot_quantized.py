@@ -233,15 +233,15 @@ def test_experts_forward_matches_the_dequantized_experts(transposed, per_block):
 
 
 def test_a_byte_per_weight_cuts_tall_row_tiles():
-    """The table's blocks were rated with bf16 weights: Qwen3.5-35B-A3B's batch-256 gate_up on v6e
-    takes 512-row tiles (8 rows per expert). With quantized weights (int8, fp8, or 4-bit ones held as
+    """The table's blocks were rated with bf16 weights: DeepSeek-V3's 64-token gate_up on v6e
+    takes 512-row tiles (2 rows per expert). With quantized weights (int8, fp8, or 4-bit ones held as
     uint8: an array of a byte per item) they are cut to 128 rows; a Mixtral-8x7B prefill's 512-row
     tiles (4096 rows per expert) stay; the other sizes stay."""
     from ragged_dot import tuning
 
-    qwen = dict(rows=2048, k=2048, n=1024, groups=256, generation="v6e", transpose_rhs=True)
+    deepseek = dict(rows=512, k=7168, n=4096, groups=256, generation="v6e", transpose_rhs=True)
     mixtral = dict(rows=32768, k=4096, n=28672, groups=8, generation="v5e", transpose_rhs=True)
-    for case, want_m in ((qwen, 128), (mixtral, 512)):
+    for case, want_m in ((deepseek, 128), (mixtral, 512)):
         bf16 = tuning.choose_blocks(**case)
         assert bf16.block_m == 512, bf16  # the table's entry this test is about
         quantized = tuning.choose_blocks(**case, weight_itemsize=1)
