@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from runtime.generations import DMA_LATENCY_S, GENERATIONS  # noqa: E402
+from runtime.generations import GENERATIONS  # noqa: E402
 
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
@@ -556,8 +556,10 @@ def write_calibration(rows: list[dict], out: Path) -> None:
         if fit:
             lines += ["", f"Both rings fit one line: a copy arrives its latency after it starts or its bytes' time after "
                       f"the copy before it, at {fit['bandwidth'] / 1e12:.2f} TB/s ({fit['share']:.0%} of the table's) "
-                      f"with a latency of {fit['latency'] * 1e6:.2f} us (the model: the table's bandwidth, "
-                      f"{DMA_LATENCY_S * 1e6:.1f} us)."]
+                      f"with a latency of {fit['latency'] * 1e6:.2f} us. The model's copies take this fit "
+                      f"(`bench/pipeline.py`): {pipeline.HBM_SHARE:.0%} of each generation's table bandwidth, and on "
+                      f"tpu7x a latency of {pipeline.COPY_LATENCY_S['tpu7x'][0] * 1e6:.2f} us for copies of "
+                      f"{pipeline.COPY_LATENCY_S['tpu7x'][1] >> 20} MiB or more (less for smaller ones)."]
     if paged:
         lines += [
             "",
@@ -586,43 +588,52 @@ def write_calibration(rows: list[dict], out: Path) -> None:
 WHY_OFF = """\
 Where the model is off, and why (what it cannot see):
 - Pallas matmuls: MXU-bound steps run at the published peak (the calibrated clock, or on tpu7x the dense
-  matmul's vmatmul pace), so stalls the static schedule does not show are missing; DMAs run at the
-  published HBM bandwidth plus a fixed latency per step, so a bandwidth-bound kernel gets 100% of it (a
-  streamed copy measured 3.21 TB/s on one tpu7x core, 87% of the 3.69 TB/s in our table:
-  vllm-project/tpu-inference issue 3520). The guide's dense times include dispatch from Python (timeit).
+  matmul's vmatmul pace), so stalls the static schedule does not show are missing; DMAs run at the fit
+  of the decode rings below (89% of the published HBM bandwidth on every generation; on tpu7x a latency
+  per copy of 1.13 us at 2 MiB and more, less for smaller copies, 0.3 us at least and on the other
+  generations; a streamed copy measured 3.21 TB/s on one tpu7x core, 87% of
+  the 3.69 TB/s in our table: vllm-project/tpu-inference issue 3520). At the published bandwidth and
+  0.3 us everywhere, tpu7x's grouped matmuls were 0.83-1.02x. The guide's dense times include dispatch
+  from Python (timeit).
 - Attention on tpu7x: with every bundle at the MXU-calibrated 1.03 GHz (`before fix`) the splash forward
-  came out 1.7-2.3x slow and its backward 1.6-2.0x, while on v6e the same kernel is within 4%: tpu7x's
+  came out 1.7-2.3x slow and its backward 1.6-2.0x, while on v6e the same kernel is within 6%: tpu7x's
   softmax bundles do not wait on the MXU, and now issue at their own clock (docs/performance-model.md,
   "tpu7x: two rates"). What remains: the model grows slower than the measurement with the sequence
-  (forward 0.96-1.1x at 4k-8k, 1.17-1.25x at 32k, 1.26-1.36x at 128k; backward 0.98-1.2x, 1.21-1.30x). The measured time per 1024x1024
+  (forward 0.96-1.11x at 4k-8k, 1.17-1.25x at 32k, 1.26-1.36x at 128k; backward 0.99-1.30x at 4k-8k,
+  1.23-1.42x at 32k, 1.08x at 128k). The copy fit (below) moved the backward up, at head dims 192 and
+  256 the most (32k: 1.24x and 1.30x before it): its steps wait on copies that the fit (a share of the
+  bandwidth, a latency that grows with a copy's bytes) makes slower than tpu7x moved them, and these
+  rows do not tell which part overstates them. The measured time per 1024x1024
   block falls from 1.8 us at 4k to 1.35 us at 128k as the masked diagonal blocks thin out; the model's
   per-step cycles fall less steeply, so at 128k, where nearly every step is unmasked, its unmasked steps
   are what is about 1.35x slow. The 1k-token, 16-sequence cached row (one masked block per head, 128
-  steps) is 0.68x: its steps are the least like the fit's.
+  steps) is 0.69x: its steps are the least like the fit's.
 - XLA's own ragged_dot: one loop over (row tile, group, column tile) whose index skips the pairs of a
   row tile and a group that share no row, so it runs a trip per pair that does (times the column
   tiles), which the group sizes give (`tpu_schedule.RaggedLoop`); each trip costs its body's cycles or
-  its DMAs at full bandwidth, whichever is longer, as every XLA op. On tpu7x that is 0.88-1.03x of the
+  its DMAs at what HBM delivers, whichever is longer, as every XLA op. On tpu7x that is 0.93-1.03x of the
   measured times, from 8 rows (decode: 8 experts of 4096 x 4096, one row each) to 393216, weights
   [G, K, N] or [G, N, K] (transformers' layout). Two limits: where XLA also tiles the contraction
   inside the loop (weights [G, N, K] with K 2048 and 7168 here), the space holds far more trips than
-  the measured times allow, so the loop is counted once and the row is a lower bound (0.23-0.24x);
-  on v5e (one point) the model is 0.50x: there the trips' cycles and DMAs (2.6 and 2.8 ms) add up
-  to the measured 5.6 ms, as if they did not overlap, while the model keeps the longer. Before the
+  the measured times allow, so the loop is counted once and the row is a lower bound (0.26-0.27x);
+  on v5e (one point) the model is 0.56x: there the trips' cycles and DMAs (2.6 and 3.2 ms) add up
+  to about the measured 5.6 ms, as if they did not overlap, while the model keeps the longer. Before the
   trips were counted (the loop once) the first four rows were 0.18-0.29x.
-- A decode step's weights streamed (tpu7x): the model's copies run at the table's HBM bandwidth with a
-  fixed latency of 0.3 us each. helion's ring of 2 MiB copies measured 3.29 TB/s with four in flight (89% of
-  the table's 3.69 TB/s; a streamed copy in tpu-inference issue 3520: 3.21 TB/s), so the model is about a
-  tenth fast there (0.90x); with two in flight it measured 127 us, where the model hides the latency
-  behind the second copy and is 0.65x: the copies' latency is longer than the model's (the fit under the
-  table). The same latency would make Pallas's two-slot pipeline (one copy in flight, which no
-  measurement here shows) slower than modeled wherever a step's copy takes longer than its compute, as
-  at decode; a ring of 2 MiB copies or more with three in flight (ragged_dot's ring entries) is
-  bandwidth-bound under the fit as under the model, so the model flatters it about as much as the ring
-  with four. XLA's ops are modeled at the table's full bandwidth with no latency, so the MLP XLA streamed
-  at 2.99 TB/s is modeled 0.81x: XLA rows that stream weights at decode (the headline's eager loop,
-  grouped_mm, batched_mm) are modeled about a fifth faster than this measurement of XLA. These are one
-  chip's points: what HBM delivers on the other generations is not measured here.
+- A decode step's weights streamed (tpu7x): helion's ring of 2 MiB copies measured 3.29 TB/s with four in
+  flight (89% of the table's 3.69 TB/s; a streamed copy in tpu-inference issue 3520: 3.21 TB/s) and 127 us
+  with two, which a latency of about 1.1 us per 2 MiB copy explains (two in flight hide only part of
+  it). The model's copies take that fit (`bench/pipeline.py`: `HBM_SHARE`, `COPY_LATENCY_S`), so both
+  rings are rows the fit reproduces rather than checks; at the published bandwidth and 0.3 us they were
+  0.90x and 0.65x. The latency is not one for every copy: tokamax's splash backward on tpu7x, whose steps
+  wait on copies of a few hundred KiB, measured about 1 us per step, less than that latency alone (with
+  it on every copy the model put those rows 1.13-1.33x over their measurements), so the model's latency
+  grows with a copy's bytes up to the ring's (an interpolation, no measurement between), never below
+  0.3 us. What the fit implies: a step of Pallas's two-slot pipeline (one copy in flight) waiting on a
+  copy of megabytes pays the whole latency, as at decode; a ring with three 2 MiB copies in flight
+  (ragged_dot's ring entries) is bandwidth-bound. XLA's ops stream at the same share, so the MLP XLA streamed at 2.99 TB/s
+  is modeled 0.91x: XLA rows that stream weights at decode (the headline's eager loop, grouped_mm,
+  batched_mm) are modeled about a tenth faster than this measurement of XLA. These are one chip's
+  points: the share is taken for the other generations, and their latency is not measured here.
 - Ragged paged attention v3 (tpu7x): at full attention over 16k-token contexts, as our paged bench's rows
   run (long contexts, the cache read once), the model is within a tenth of the measured times. With a
   128-token window each sequence reads a page or two and the measured step is 2.4-3.8x the model's: the

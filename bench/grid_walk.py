@@ -59,6 +59,8 @@ class KernelCost:
     # Per grid step, in the TPU's order:
     fetch_bytes: np.ndarray  # input bytes copied in before the step
     write_bytes: np.ndarray  # output bytes written back after it
+    fetch_largest: np.ndarray  # the largest of those copies (one block each), and of the writes
+    write_largest: np.ndarray
     # The bodies of the kernel's top-level conds (see _when_runs), one column each:
     when_runs: np.ndarray  # bool [steps, bodies]: does each body run
     when_known: list[bool]  # False: the condition reads VMEM data (counted as running)
@@ -462,8 +464,7 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
     prefetch = [jnp.asarray(v) for v in invals[:num_prefetch]]
     points = _grid_points(grid)
     by_operand = {}
-    fetch = np.zeros(len(points), np.int64)
-    write = np.zeros(len(points), np.int64)
+    fetch, write, fetch_largest, write_largest = (np.zeros(len(points), np.int64) for _ in range(4))
     for i, block_mapping in enumerate(grid_mapping.block_mappings):
         if str(getattr(block_mapping.block_aval, "memory_space", "")).lower() in ("any", "hbm"):
             continue  # left in HBM: the kernel copies what it needs itself, which its caller counts
@@ -471,6 +472,8 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         is_output = i >= grid_mapping.num_inputs
         per_step = _copy_bytes(block_mapping, indices, is_output)
         (write if is_output else fetch)[:] += per_step
+        largest = write_largest if is_output else fetch_largest
+        np.maximum(largest, per_step, out=largest)
         by_operand[f"{'out' if is_output else 'in'}{i}:{block_mapping.array_aval.str_short()}"] = int(per_step.sum())
     kernel_jaxpr = eqn.params["jaxpr"]
     vmapped = set(getattr(grid_mapping, "vmapped_dims", ()))
@@ -495,6 +498,8 @@ def analyze_call(eqn, invals, mxu_width: int) -> KernelCost:
         work_steps=int((padded > 0).sum()),
         fetch_bytes=fetch,
         write_bytes=write,
+        fetch_largest=fetch_largest,
+        write_largest=write_largest,
         when_runs=when_runs,
         when_known=when_known,
         when_has_dot=[p > 0 for p, _ in when_flops],

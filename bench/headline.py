@@ -439,11 +439,11 @@ def calibration_note(found: list[dict]) -> list[str]:
     if xla is None or not {2, 4} <= set(rings):
         return []
     lines = [
-        "Against measurements (calibration.md, tpu7x): XLA streaming a dense MLP's weights at decode is",
-        f"modeled {xla:.2f}x its measured time; a DMA ring of 2 MiB copies {rings[4]:.2f}x with four copies in",
-        f"flight and {rings[2]:.2f}x with two (the model's copy latency is too short). Ours streams its decode",
-        "weights through a ring with three in flight, which is bandwidth-bound under the measured latency as",
-        f"under the model: the model flatters XLA about {1 / xla:.2f}x and ours about {1 / rings[4]:.2f}x.",
+        "Against measurements (calibration.md, tpu7x): the model's copies take the bandwidth and latency",
+        f"fitted to two measured DMA rings of 2 MiB copies, modeled {rings[4]:.2f}x with four copies in flight",
+        f"and {rings[2]:.2f}x with two; XLA streaming a dense MLP's weights at decode is modeled {xla:.2f}x its",
+        "measured time. Ours streams its decode weights through a ring like those: the model flatters XLA",
+        f"about {1 / xla:.2f}x, and rates such a ring at {rings[4]:.2f}x its measured time.",
     ]
     losses = [v["ours_us"] / v["best_other_us"] for v in found
               if v["ours_us"] > v["best_other_us"] and v["best_other"] != FUSED_MOE]
@@ -514,21 +514,20 @@ How to read it:
 - Reported: 21.5x (Qwen3-30B-A3B) and 12.8x (Gemma 4 26B-A4B) decode at batch 64 on v6e-8 against
   transformers' default experts implementation; we found no public source for these figures or their
   setting.
-- Not yet won. Ours wins Gemma 4 everywhere and the Qwen models' small batches on v6e; elsewhere it
-  is slower than the fastest other by the table's margin, mostly the eager loop compiled whole with the routing known
-  (a program PyTorch's eager loop cannot be: see the last point). Opponents marked * are lower bounds:
-  XLA's ragged dot counts its loop's trips over the batch's routing where calibration.md validates
-  that (against tokamax's tpu7x measurements: weights [G, K, N], or [G, N, K] with a short K), but
-  transformers' gate_up_proj [E, 2I, H] with H 2048 or more makes XLA tile the contraction inside
-  the loop, which is counted once (a lower bound); the eager loop's gathers and scatters over the
-  routed tokens are counted once.
-- Where ours loses, the rows broken down per kernel so far point at the weights' stream (not every
-  losing row was): at Qwen3-30B-A3B's batch 64 on v6e, decode reads each routed expert's weights once
-  and ours sits above the floor by the per-step DMA latency of Pallas' two-deep pipeline (one
-  expert's weight tile per grid step, each step waiting on the next tile's DMA; XLA's ops are modeled
-  without a per-step cost); on tpu7x's decode, the compiled steps show the weight push into the MXU,
-  not HBM, bounding a step of few rows per expert. A deeper, manually issued weight pipeline is the
-  next step for the kernel.
+- Opponents marked * are lower bounds: XLA's ragged dot counts its loop's trips over the batch's
+  routing where calibration.md validates that (against tokamax's tpu7x measurements: weights
+  [G, K, N], or [G, N, K] with a short K), but transformers' gate_up_proj [E, 2I, H] with H 2048 or
+  more makes XLA tile the contraction inside the loop, which is counted once (a lower bound); the
+  eager loop's gathers and scatters over the routed tokens are counted once. The eager row is that
+  loop compiled whole with the routing known, a program PyTorch's eager loop cannot be (it dispatches
+  op by op and reads the routing back to the host).
+- How ours runs a decode step: each projection's kernel reads each routed expert's weights once, one
+  grid step per routed expert, and a step's product is shorter than its weights' copy. The tuned
+  decode entries stream the weights through a ring of four VMEM slots that the kernel fills itself
+  (three copies in flight); Pallas's own pipeline keeps one copy in flight and waits out its latency
+  at every step, which calibration.md measures on tpu7x for copies of this size. The rows, tokens
+  and slots are taken and summed by small matmuls, not gathers and scatters of rows. XLA's ops are
+  modeled at the same share of the bandwidth, with no latency per op.
 - Decode at batch 64 and more reads nearly every expert's weights, so every implementation that reads
   each expert's weights once is bound by the same bytes. batched_mm copies each (token, expert) pair's
   weights: top-k times the bytes.
@@ -544,7 +543,7 @@ How to read it:
   implementations copy or gather from both weights as held.
 - tpu-inference's fused_moe v1 (vLLM's TPU MoE kernel) compiles under our jax 0.10.2. It issues its DMAs
   inside the kernel, with sizes and loop counts known only at run time, so its row counts its scheduled
-  cycles with each such loop run once, or its operands read once at full bandwidth, whichever is longer:
+  cycles with each such loop run once, or its operands read once at what HBM delivers, whichever is longer:
   a lower bound. It refuses Gemma 4's hidden 2112 and intermediate 704 (it asks callers to pad them to
   multiples of 128 first).
 - The quantized rows are ours on the same weights stored a byte each with float32 scales

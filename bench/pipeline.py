@@ -16,9 +16,10 @@ step i computes, step i+1's inputs arrive and step i-1's output leaves, so
 
 plus the pipeline's fill and drain iterations and the kernel's entry and
 exit code (their cycles are in the schedule too). A DMA costs its bytes at
-the device's HBM bandwidth plus a fixed latency (`generations.DMA_LATENCY_S`). On a v5p
-megacore the leading "parallel" grid axis is split in halves over the two
-cores, which share the bandwidth.
+what HBM delivers (`copy_bytes_per_s`) plus a latency (`copy_latency_s`,
+on tpu7x growing with the copy's bytes), both fitted to measured copies. On a v5p megacore the
+leading "parallel" grid axis is split in halves over the two cores, which
+share the bandwidth.
 
 What it cannot see: stalls the static schedule does not show (bank
 conflicts, DMA queueing beyond the bandwidth share), and clock changes
@@ -30,14 +31,21 @@ from __future__ import annotations
 
 import numpy as np
 
-# The pipeline sum lives with the generation table: the block rule uses it too.
-from runtime.generations import DMA_LATENCY_S, GENERATIONS, pipeline_seconds
+# The pipeline sum and what HBM delivers to copies (the fit to calibration's measured DMA rings:
+# `HBM_SHARE`, `COPY_LATENCY_S`) live with the generation table: the block rule uses them too.
+from runtime.generations import (COPY_LATENCY_S, DMA_LATENCY_S, GENERATIONS, HBM_SHARE,  # noqa: F401
+                                 copy_bytes_per_s, copy_latency_s, pipeline_seconds)
+
+# Bumped when the model's figures move: tuning records rated on an earlier one are rated again.
+# 2: copies at `HBM_SHARE` and `COPY_LATENCY_S`; 1: at the published bandwidth and `DMA_LATENCY_S`.
+MODEL_REVISION = 2
+
 
 # The clock at which bundles issue when they do not wait on the MXU. Each generation's `clock_hz`
 # is calibrated on MXU-bound steps (a dense matmul's accumulate steps reach the bf16 peak), so it
 # is the issue rate only where libtpu's schedule already paces the MXU. On v5e, v5p and v6e it
 # does: their derived clocks are near what jax's MXU geometry implies, and on v6e the model rates
-# tokamax's splash attention within 4% of its measured times (bench/results/calibration.md). On
+# tokamax's splash attention within 6% of its measured times (bench/results/calibration.md). On
 # tpu7x it does not: libtpu issues a dense matmul's vmatmuls 1.77x as densely as on v6e for 1.26x
 # the peak, so there the MXU stalls the issue, and the calibrated 1.03 GHz would charge those
 # stalls to every other bundle too (an attention's softmax): the same splash kernel, with about
@@ -86,12 +94,13 @@ def step_matmuls(schedule, runs) -> np.ndarray:
 
 
 def copying_pipeline_seconds(compute_s, fetch_bytes, write_bytes, copy_step, copy_bytes, copy_after_wait,
-                             copy_waits, bytes_per_s: float, latency_s: float = DMA_LATENCY_S) -> float:
+                             copy_waits, bytes_per_s: float, latency_s, largest=None) -> float:
     """Pallas's pipeline over one core's grid steps (as `pipeline_seconds`) with the copies the
     kernel starts itself (copy_step: the step starting each, in order; copy_after_wait: whether the
     step starts it after its waits; copy_waits: per step, how many it waits for, in the order they
-    were started). Every copy, the pipeline's and the kernel's, is issued when its step starts (or
-    its waits end) and goes through one queue: each arrives its latency after it is
+    were started; latency_s and largest: as `pipeline_seconds`). Every copy, the pipeline's and the
+    kernel's, is issued when its step starts (or its waits end) and goes through one queue: each
+    arrives its latency after it is
     issued or its bytes' time after the previous copy arrives, whichever is later (copies in
     flight overlap their latencies, not their bytes). A step computes once the copies it waits for
     have arrived and ends when that is done and its pipeline copies (the next step's blocks, the
@@ -100,29 +109,33 @@ def copying_pipeline_seconds(compute_s, fetch_bytes, write_bytes, copy_step, cop
     lasts max(c, b / bandwidth, (latency + b / bandwidth) / (D - 1))."""
     compute = np.asarray(compute_s, np.float64)
     fetch, write = np.asarray(fetch_bytes, np.float64), np.asarray(write_bytes, np.float64)
+    big_fetch, big_write = (fetch, write) if largest is None else (np.asarray(x, np.float64) for x in largest)
     steps = len(compute)
     if steps == 0:
         return 0.0
     issued_at = np.searchsorted(copy_step, np.arange(steps + 1))  # copies started before each step
     queue = 0.0  # when the last copy issued arrives
 
-    def issue(now, size):
+    latency = latency_s if callable(latency_s) else lambda size: latency_s
+
+    def issue(now, size, big=None):  # big: the largest of the copies issued together
         nonlocal queue
-        queue = max(now + latency_s, queue) + size / bytes_per_s
+        queue = max(now + float(latency(size if big is None else big)), queue) + size / bytes_per_s
         return queue
 
-    now = issue(0.0, fetch[0]) if fetch[0] > 0 else 0.0
+    now = issue(0.0, fetch[0], big_fetch[0]) if fetch[0] > 0 else 0.0
     arrived, waited = [], 0
     for i in range(steps):
         pipelined = (fetch[i + 1] if i + 1 < steps else 0.0) + (write[i - 1] if i > 0 else 0.0)
-        blocks_in = issue(now, pipelined) if pipelined > 0 else now
+        big = max(big_fetch[i + 1] if i + 1 < steps else 0.0, big_write[i - 1] if i > 0 else 0.0)
+        blocks_in = issue(now, pipelined, big) if pipelined > 0 else now
         mine = slice(issued_at[i], issued_at[i + 1])
         arrived += [issue(now, size) if not after else None for size, after in zip(copy_bytes[mine], copy_after_wait[mine])]
         ready = max([now] + arrived[waited:waited + copy_waits[i]])
         waited += copy_waits[i]
         arrived[mine] = [issue(ready, size) if at is None else at for size, at in zip(copy_bytes[mine], arrived[mine])]
         now = max(ready + compute[i], blocks_in)
-    return float(issue(now, write[-1]) if write[-1] > 0 else now)
+    return float(issue(now, write[-1], big_write[-1]) if write[-1] > 0 else now)
 
 
 def core_of_step(grid: tuple[int, ...], semantics: tuple[str, ...], cores: int) -> np.ndarray:
@@ -178,6 +191,7 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
                 "regions_mapped": True}
     core = core_of_step(cost.grid, cost.dimension_semantics, gen.cores_per_device)
     active = int(core.max()) + 1
+    bandwidth, latency = copy_bytes_per_s(generation), copy_latency_s(generation)
     own_bytes = np.zeros(cost.grid_steps, np.int64)
     whole_program = False
     if profile is not None:
@@ -186,7 +200,8 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
             raise RuntimeError(f"{cost.name}: its profile does not match its compiled loops and branches")
         cycles, whole_program = read
         own_bytes = profile.dma_bytes() + profile.dma_bytes(reads_hbm=False)
-        copies = np.where(own_bytes > 0, own_bytes / (gen.hbm_bytes_per_s / active) + DMA_LATENCY_S, 0.0)
+        # (Many copies each, of a page or a block: the latency of the smallest, once.)
+        copies = np.where(own_bytes > 0, own_bytes / (bandwidth / active) + DMA_LATENCY_S, 0.0)
         issue = step_compute_seconds(cycles, cost, generation)
         compute = np.maximum(issue, copies)
         mapped = True
@@ -206,10 +221,13 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
             position = np.searchsorted(steps, cost.copy_step[mine])
             per_core.append(copying_pipeline_seconds(
                 compute[steps], cost.fetch_bytes[steps], cost.write_bytes[steps], position,
-                cost.copy_bytes[mine], cost.copy_after_wait[mine], cost.copy_waits[steps], gen.hbm_bytes_per_s / active))
+                cost.copy_bytes[mine], cost.copy_after_wait[mine], cost.copy_waits[steps], bandwidth / active, latency,
+                (cost.fetch_largest[steps], cost.write_largest[steps])))
     else:
         per_core = [pipeline_seconds(compute[core == c], cost.fetch_bytes[core == c], cost.write_bytes[core == c],
-                                     gen.hbm_bytes_per_s / active) for c in range(active)]
+                                     bandwidth / active, latency,
+                                     largest=(cost.fetch_largest[core == c], cost.write_largest[core == c]))
+                    for c in range(active)]
     # (A profile read as the whole program: its cycles are the program's already.)
     # (The fill and drain iterations run no dots: their bundles issue at the issue clock.)
     fill_clock = issue_clock_hz(generation) if getattr(cost, "dots_counted", False) and profile is None else gen.clock_hz
@@ -219,7 +237,7 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
     return {
         "modeled": total,
         "compute": float(issue.sum()) / active,  # issue (or MXU) time, split over the active cores
-        "dma": float(moved / gen.hbm_bytes_per_s),
+        "dma": float(moved / bandwidth),
         "fill_drain": fill_drain,
         "cores": active,
         "regions_mapped": mapped,
@@ -287,7 +305,7 @@ def ragged_trips(schedule, group_sizes) -> int | None:
 def around_seconds(other_ops: dict, generation: str, group_sizes=None) -> float:
     """XLA's ops around the kernel (routing metadata, sorts, gathers,
     padding), each run once: its scheduled cycles, or its HBM traffic at
-    full bandwidth when that takes longer (the cycles do not show DMA
+    what HBM delivers (`copy_bytes_per_s`) when that takes longer (the cycles do not show DMA
     waits). The traffic is what its DMAs move where the schedule fixes
     their sizes and counts, else its HBM operands once each. XLA's own
     ragged dots over `group_sizes` run their loop's trips (`ragged_trips`),
@@ -305,6 +323,6 @@ def around_seconds(other_ops: dict, generation: str, group_sizes=None) -> float:
         else:
             cycles = s.total_cycles
             traffic = s.hbm_operand_bytes if s.hbm_dma_bytes is None else s.hbm_dma_bytes
-        return max(cycles / clock(s), traffic / gen.hbm_bytes_per_s)
+        return max(cycles / clock(s), traffic / copy_bytes_per_s(generation))
 
     return sum(seconds(s) for s in other_ops.values())

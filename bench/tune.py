@@ -337,12 +337,12 @@ def tune_call(shape, tokens, call, generation, cache=None):
     if kind == "forward":  # each again with its weights through a ring, where its blocks are whole
         candidates += [dataclasses.replace(b, weight_buffers=depth) for b in candidates for depth in RING_DEPTHS
                        if kernel.ring_fits(b_shape, transpose_rhs, False, b)]
-    gen = GENERATIONS[generation]
     cache = schedule_cache(generation) if cache is None else cache
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
             jnp.asarray(bench.routing(shape, tokens)))
     record = dict(model=shape.model, tokens=tokens, kind=kind, key=list(key), transpose_rhs=transpose_rhs,
-                  generation=generation, revision=KERNEL_REVISION[kind], candidates=[])
+                  generation=generation, revision=KERNEL_REVISION[kind], model_revision=pipeline.MODEL_REVISION,
+                  candidates=[])
     rated = []
     for blocks in candidates:
         fn = call_fn(call, shape.experts, generation, blocks=blocks)[0]
@@ -362,9 +362,9 @@ def tune_call(shape, tokens, call, generation, cache=None):
         if schedule is None or vmem_used > limit:
             candidate["rejected"] = "does not compile" if schedule is None else f"VMEM {vmem_used} > limit {limit}"
         else:
-            # The padding copies outside the kernel at full bandwidth, as the bench counts them.
+            # The padding copies outside the kernel at what HBM delivers, as the bench counts them.
             candidate["modeled_us"] = (pipeline.kernel_seconds(cost, schedule, generation)["modeled"]
-                                       + copies / gen.hbm_bytes_per_s) * 1e6
+                                       + copies / pipeline.copy_bytes_per_s(generation)) * 1e6
             rated.append((candidate["modeled_us"], buffers(blocks, itemsize), blocks))
         record["candidates"].append(candidate)
     rule_us = next((c.get("modeled_us") for c in record["candidates"] if c["blocks"] == list(rule.__dict__.values())), None)
@@ -407,13 +407,15 @@ KERNEL_REVISION = {"forward": 3, "weight_grad": 1}
 
 
 def rated_by_this_model(record: dict) -> bool:
-    """Whether a record was rated on the kernel as it is now, its candidates
-    shortlisted by the rule's current model (they carry its figures). Older
-    records are tuned again, and stay in the table until then; a matmul too
-    big for the chip stays so."""
+    """Whether a record was rated on the kernel as it is now, by the bench's
+    model as it is now (`pipeline.MODEL_REVISION`), its candidates shortlisted
+    by the rule's current model (they carry its figures). Older records are
+    tuned again, and stay in the table until then; a matmul too big for the
+    chip stays so."""
     if "too_big_for_hbm" in record:
         return True
     return (record.get("revision", 1) == KERNEL_REVISION[record["kind"]]
+            and record.get("model_revision", 1) == pipeline.MODEL_REVISION
             and any("rule_model_us" in c for c in record.get("candidates", [])))
 
 

@@ -24,7 +24,7 @@ import functools
 
 import numpy as np
 
-from ._shared.generations import GENERATIONS, pipeline_seconds
+from ._shared.generations import GENERATIONS, copy_bytes_per_s, copy_latency_s, pipeline_seconds
 from ._shared.tuning import lookup, round_up
 from .kernel import ROW_ALIGN, BlockSizes, vmem_bytes, weight_grad_rows
 
@@ -137,6 +137,7 @@ class Steps:
     ends: np.ndarray  # a visit's last step (stores it)
     fills: np.ndarray  # the step belongs to a fill visit (forward: zeros stored, no pass)
     fetch_bytes: np.ndarray
+    fetch_largest: np.ndarray  # the largest block among them (the copies run together)
     write_bytes: np.ndarray
     tiles: int  # outer tiles: how many times the steps repeat
     split: int  # the grid axis a megacore splits over its cores (its extent)
@@ -165,7 +166,8 @@ def forward_steps(rows, k, n, groups, blocks: BlockSizes, generation: str, items
     out_tile = step(tile)
     written = np.append(out_tile[1:] != out_tile[:-1], True)
     return Steps(passes=step(passes), starts=kk == 0, ends=kk == k_steps - 1, fills=step(fill),
-                 fetch_bytes=(lhs + rhs) * itemsize, write_bytes=written * bm * bn * itemsize,
+                 fetch_bytes=(lhs + rhs) * itemsize, fetch_largest=np.maximum(lhs, rhs) * itemsize,
+                 write_bytes=written * bm * bn * itemsize,
                  tiles=-(-n // bn), split=-(-n // bn), copy_bytes=(rows + padded) * k * itemsize if padded > rows else 0)
 
 
@@ -189,7 +191,8 @@ def weight_grad_steps(rows, p, q, groups, blocks: BlockSizes, generation: str, i
     ends = np.append(group[1:] != group[:-1], True)
     outer, inner = (p_tiles, q_tiles) if p_outer else (q_tiles, p_tiles)
     return Steps(passes=passes, starts=np.insert(ends[:-1], 0, True), ends=ends, fills=np.zeros(len(group), bool),
-                 fetch_bytes=(a + b) * itemsize, write_bytes=ends * bp * bq * itemsize,
+                 fetch_bytes=(a + b) * itemsize, fetch_largest=np.maximum(a, b) * itemsize,
+                 write_bytes=ends * bp * bq * itemsize,
                  tiles=p_tiles * q_tiles, split=outer if outer > 1 else inner)
 
 
@@ -216,8 +219,9 @@ def modeled_seconds(kind: str, rows, k, n, groups, blocks: BlockSizes, generatio
     cores = min(gen.cores_per_device, steps.split)
     per_core = -(-steps.split // cores) * (steps.tiles // steps.split)
     kernel = pipeline_seconds(cycles / gen.clock_hz, steps.fetch_bytes, steps.write_bytes,
-                              gen.hbm_bytes_per_s / cores, repeats=per_core)
-    return kernel + c["fill_drain"] / gen.clock_hz + steps.copy_bytes / gen.hbm_bytes_per_s
+                              copy_bytes_per_s(generation) / cores, copy_latency_s(generation), repeats=per_core,
+                              largest=(steps.fetch_largest, steps.write_bytes))
+    return kernel + c["fill_drain"] / gen.clock_hz + steps.copy_bytes / copy_bytes_per_s(generation)
 
 
 def ranked_blocks(kind: str, rows, k, n, groups, generation, itemsize, budget,

@@ -59,13 +59,12 @@ def _not_modeled(case):
 
 def _known_off(case):
     """The rows calibration.md names as past the target, with the band they stay in: the splash
-    rows from 32k tokens (the model grows slower than the measurement with the sequence: 1.36x
-    at most, at 128k), the 1k-token cached row (one masked block per head), and XLA's own
+    rows from 32k tokens (the model grows slower than the measurement with the sequence, and the
+    copy fit slows the backward's copies: 1.42x at most, 32k's backward at head dim 256), the 1k-token cached row (one masked block per head), and XLA's own
     ragged_dot on v5e (0.5x: its trips' compute and DMAs add up to the measured time there, while
     on tpu7x the longer of the two matches it, as the model takes it) and where it tiles the
     contraction of weights [G, N, K] inside its loop (counted once); and ragged paged attention v3
-    with a 128-token window (a page or two per sequence: copies the model overlaps entirely); a DMA
-    ring with two copies in flight (their latency is longer than the model's)."""
+    with a 128-token window (a page or two per sequence: copies the model overlaps entirely)."""
     if case["kind"] == "xla_ragged_dot" and case["generation"] == "v5e":
         return (0.45, 1 / TARGET)
     if case["kind"] == "xla_ragged_dot" and case.get("transpose_rhs") and case["k"] >= 2048:
@@ -76,12 +75,10 @@ def _known_off(case):
         return (0.6, 1 / TARGET)
     if case["kind"] == "rpa_v3" and case["sliding_window"]:
         return (0.2, 1 / TARGET)  # a page or two per sequence: its copies' latency, not charged by the model
-    if case["kind"] == "weight_stream" and case["slots"] - 1 == 2:
-        return (0.6, 1 / TARGET)  # two copies in flight: their latency, longer than the model's
     return None
 
 
-KNOWN_OFF_BAND = (1 / TARGET, 1.4)
+KNOWN_OFF_BAND = (1 / TARGET, 1.45)
 
 
 @pytest.mark.parametrize("case", CASES,
@@ -106,19 +103,24 @@ def test_before_the_two_rate_fix_tpu7x_attention_was_off():
     assert all(r["before_ms"] == pytest.approx(r["modeled_ms"], rel=0.02) for r in rows if r["generation"] == "v6e")
 
 
-def test_the_headline_verdict_quotes_the_decode_streaming_points():
+def test_the_model_copies_at_the_fit_of_the_measured_rings():
     """helion's tpu7x decode points (DMA rings of 2 MiB copies, four and two in flight; XLA's dense MLP)
-    are rows: the model is within a tenth of the four-in-flight ring (bandwidth), short of the
-    two-in-flight one (its copy latency: the fit puts it near 1.1 us, not the model's 0.3), and
-    flatters XLA's weight streaming; headline.md's verdict quotes their current ratios."""
+    are rows. The model's share of the HBM bandwidth and tpu7x's copy latency are the fit to the two
+    rings (`calibration.stream_fit`), so both are modeled within a twentieth of their measured times,
+    and XLA's MLP, streaming at less than the rings, short of its own; headline.md's verdict quotes
+    the current ratios."""
+    import calibration
+    import pipeline
+
     ratio = {(r["kind"], r.get("slots")): r["ratio"] for r in ROWS if r["kind"] in ("weight_stream", "xla_mlp")}
     assert set(ratio) == {("weight_stream", 3), ("weight_stream", 5), ("xla_mlp", None)}
-    assert ratio["xla_mlp", None] < 1 / 1.1 and abs(ratio["weight_stream", 5] - 1) < 0.12
-    assert ratio["weight_stream", 3] < 1 / 1.3
-    import calibration
-
     fit = calibration.stream_fit([r for r in ROWS if r["kind"] == "weight_stream"])
-    assert 0.85 < fit["share"] < 0.93 and 0.9e-6 < fit["latency"] < 1.4e-6
+    assert pipeline.HBM_SHARE == pytest.approx(fit["share"], abs=0.005)
+    latency, at_bytes = pipeline.COPY_LATENCY_S["tpu7x"]
+    ring = next(r for r in ROWS if r["kind"] == "weight_stream")
+    assert latency == pytest.approx(fit["latency"], rel=0.01) and at_bytes == ring["tiling"][0] * ring["tiling"][1] * 2
+    assert abs(ratio["weight_stream", 5] - 1) < 0.05 and abs(ratio["weight_stream", 3] - 1) < 0.05
+    assert 1 / 1.3 < ratio["xla_mlp", None] < 1
     verdict = " ".join((BENCH / "results" / "headline.md").read_text().split("## Quantized")[0].split())
     assert f"is modeled {ratio['xla_mlp', None]:.2f}x its measured time" in verdict
     assert (f"{ratio['weight_stream', 5]:.2f}x with four copies in flight and {ratio['weight_stream', 3]:.2f}x with two"

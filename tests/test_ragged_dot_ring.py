@@ -129,8 +129,8 @@ def test_copying_pipeline_without_copies_is_the_pipeline_sum():
     write = rng.integers(0, 1 << 20, steps) * (rng.uniform(size=steps) > 0.5)
     none = np.zeros(0, np.int64)
     got = pipeline.copying_pipeline_seconds(compute, fetch, write, none, none, none.astype(bool),
-                                            np.zeros(steps, np.int64), 1.6e12)
-    assert got == pytest.approx(pipeline_seconds(compute, fetch, write, 1.6e12), rel=1e-12)
+                                            np.zeros(steps, np.int64), 1.6e12, DMA_LATENCY_S)
+    assert got == pytest.approx(pipeline_seconds(compute, fetch, write, 1.6e12, DMA_LATENCY_S), rel=1e-12)
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4])
@@ -143,7 +143,7 @@ def test_a_ring_of_d_slots_overlaps_d_minus_one_latencies(depth, block_bytes):
     after_wait = np.r_[np.zeros(depth - 1, bool), np.ones(steps - depth + 1, bool)]
     total = pipeline.copying_pipeline_seconds(np.full(steps, c), np.zeros(steps), np.zeros(steps), copy_step,
                                               np.full(steps, block_bytes), after_wait, np.ones(steps, np.int64),
-                                              bandwidth)
+                                              bandwidth, DMA_LATENCY_S)
     b = block_bytes / bandwidth
     assert total / steps == pytest.approx(max(c, b, (DMA_LATENCY_S + b) / (depth - 1)), rel=0.02)
 
@@ -166,7 +166,32 @@ def test_a_decode_step_compiled_with_a_ring_waits_less():
         parts[depth] = harness.measure(fn, args, "v6e", "ragged_dot_tpu").parts
         assert parts[depth]["regions_mapped"]
     active = int((sizes > 0).sum())
-    ring = parts[3]
-    unhidden = ring["compute"] / active + 3 * DMA_LATENCY_S + ring["fill_drain"]
+    ring, latency = parts[3], pipeline.copy_latency_s("v6e")(k * n * 2)  # a weight block's
+    unhidden = ring["compute"] / active + 3 * latency + ring["fill_drain"]
     assert ring["kernels"] <= 1.01 * (ring["dma"] + unhidden)
-    assert parts[2]["kernels"] >= ring["kernels"] + 0.8 * active * DMA_LATENCY_S
+    assert parts[2]["kernels"] >= ring["kernels"] + 0.8 * active * latency
+
+
+def test_a_copys_latency_grows_with_its_bytes_to_the_measured_one():
+    """tpu7x: the fitted latency at the measured ring's 2 MiB copies and beyond, a share of it for
+    smaller copies, never below Pallas's cost per step; the other generations keep that cost. A
+    latency given as a function of the bytes is what the pipeline sums charge per copy."""
+    latency = pipeline.copy_latency_s("tpu7x")
+    measured, at = pipeline.COPY_LATENCY_S["tpu7x"]
+    assert latency(at) == pytest.approx(measured) and latency(8 * at) == pytest.approx(measured)
+    assert latency(at // 2) == pytest.approx(measured / 2) and latency(32 << 10) == pytest.approx(DMA_LATENCY_S)
+    assert pipeline.copy_latency_s("v6e")(8 * at) == pytest.approx(DMA_LATENCY_S)
+    compute, fetch, write = np.zeros(3), np.array([at, at // 2, 0]), np.zeros(3)
+    assert pipeline_seconds(compute, fetch, write, 1e12, latency) == pytest.approx(
+        at / 1e12 + measured + at / 2 / 1e12 + measured / 2)
+    none = np.zeros(0, np.int64)
+    assert pipeline.copying_pipeline_seconds(compute, fetch, write, none, none, none.astype(bool),
+                                             np.zeros(3, np.int64), 1e12, latency) == pytest.approx(
+        at / 1e12 + measured + at / 2 / 1e12 + measured / 2)
+    # Blocks fetched together (the second step's: three eighths and one eighth of `at`) wait out the
+    # latency of the largest, not of their sum.
+    largest = (np.array([at, at * 3 // 8, 0]), np.zeros(3))
+    for sum_of in (lambda: pipeline_seconds(compute, fetch, write, 1e12, latency, largest=largest),
+                   lambda: pipeline.copying_pipeline_seconds(compute, fetch, write, none, none, none.astype(bool),
+                                                             np.zeros(3, np.int64), 1e12, latency, largest)):
+        assert sum_of() == pytest.approx(at / 1e12 + measured + at / 2 / 1e12 + measured * 3 / 8)

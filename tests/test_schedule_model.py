@@ -88,7 +88,7 @@ def test_xla_op_traffic_falls_back_to_its_operands():
     assert s.hbm_dma_bytes is None and s.hbm_operand_bytes == 512 * 256 * 2
     gen = GENERATIONS["v6e"]
     assert pipeline.around_seconds({"op": s}, "v6e") == pytest.approx(
-        max(s.total_cycles / gen.clock_hz, 512 * 256 * 2 / gen.hbm_bytes_per_s))
+        max(s.total_cycles / gen.clock_hz, 512 * 256 * 2 / pipeline.copy_bytes_per_s("v6e")))
 
 
 def test_pipeline_sum_matches_a_hand_count():

@@ -59,32 +59,67 @@ DEFAULT_GENERATION = "v6e"
 # step's own bookkeeping cycles are in its compiled schedule, this is the rest.
 DMA_LATENCY_S = 0.3e-6
 
+# What HBM delivers to copies, as a share of each generation's published bandwidth, and a copy's
+# latency (issue to arrival, beyond its bytes): the fit to two measured DMA rings of 2 MiB copies on
+# one tpu7x core (the repo's bench/calibration.py `stream_fit`, bench/results/calibration.md). The
+# share is taken for every generation (no generation's copies reach the published figure; a
+# streamed copy measured on tpu7x elsewhere reached a similar share). The latency is measured for
+# 2 MiB copies on tpu7x only, and is no flat cost: tokamax's splash backward on tpu7x, whose steps
+# each wait on copies of a few hundred KiB, was measured at about a microsecond per step, less
+# than that latency alone; and on v5e the JAX guide's dense matmul runs steps of 32 KiB copies in
+# about 0.35 us all told. So on tpu7x a copy's latency grows with its bytes up to the measured
+# copy's (linearly, an interpolation), never below `DMA_LATENCY_S`, which the other generations
+# keep for every copy; larger copies take the measured latency.
+HBM_SHARE = 0.89
+COPY_LATENCY_S = {"tpu7x": (1.13e-6, 2 << 20)}  # (latency, at copies of this many bytes)
 
-def pipeline_seconds(compute_s, fetch_bytes, write_bytes, bytes_per_s: float, latency_s: float = DMA_LATENCY_S,
-                     repeats: int = 1) -> float:
+
+def copy_bytes_per_s(generation: str) -> float:
+    return GENERATIONS[generation].hbm_bytes_per_s * HBM_SHARE
+
+
+def copy_latency_s(generation: str):
+    """A copy's latency on the generation as a function of its bytes (scalar or array)."""
+    if generation not in COPY_LATENCY_S:
+        return lambda size: np.full(np.shape(size), DMA_LATENCY_S)[()]
+    measured, at = COPY_LATENCY_S[generation]
+    return lambda size: np.clip(measured * np.asarray(size, np.float64) / at, DMA_LATENCY_S, measured)[()]
+
+
+def pipeline_seconds(compute_s, fetch_bytes, write_bytes, bytes_per_s: float, latency_s=DMA_LATENCY_S,
+                     repeats: int = 1, largest=None) -> float:
     """Pallas's double-buffered pipeline over one core's grid steps, in order:
     while step i computes, step i+1's inputs arrive and step i-1's output
     leaves, so time = fetch(0) + sum_i max(compute(i), dma(fetch(i+1) +
-    write(i-1))) + write(last). `repeats`: the steps run that many times back
-    to back (a grid's outer tiles), each boundary overlapping like any other."""
+    write(i-1))) + write(last), a DMA of b bytes taking b / bytes_per_s plus
+    its latency (`latency_s`: seconds, or a function of the bytes of the
+    largest copy among them, which run together: `largest`, per step, the
+    largest fetched and written block; the whole DMA's bytes without it).
+    `repeats`: the steps run that many times back to back (a grid's outer
+    tiles), each boundary overlapping like any other."""
     compute_s = np.asarray(compute_s, np.float64)
     if compute_s.size == 0:
         return 0.0
     fetch, write = np.asarray(fetch_bytes, np.float64), np.asarray(write_bytes, np.float64)
+    big_fetch, big_write = (fetch, write) if largest is None else (np.asarray(x, np.float64) for x in largest)
     if compute_s.size == 1 and repeats > 1:  # every step is both the first and the last of its repeat
-        compute_s, fetch, write = (np.tile(x, repeats) for x in (compute_s, fetch, write))
+        compute_s, fetch, write, big_fetch, big_write = (np.tile(x, repeats)
+                                                         for x in (compute_s, fetch, write, big_fetch, big_write))
         repeats = 1
-    dma = lambda b: np.where(b > 0, b / bytes_per_s + latency_s, 0.0)
-    overlapped = np.zeros_like(compute_s)
+    latency = latency_s if callable(latency_s) else lambda b: latency_s
+    dma = lambda b, big: np.where(b > 0, b / bytes_per_s + latency(big), 0.0)
+    overlapped, big = np.zeros_like(compute_s), np.zeros_like(compute_s)
     overlapped[:-1] += fetch[1:]
     overlapped[1:] += write[:-1]
-    steps = np.maximum(compute_s, dma(overlapped))
+    big[:-1] = big_fetch[1:]
+    big[1:] = np.maximum(big[1:], big_write[:-1])
+    steps = np.maximum(compute_s, dma(overlapped, big))
     total = repeats * steps.sum()
     if repeats > 1:  # later repeats' first steps overlap the previous write; earlier ones' last steps the next fetch
-        first = np.maximum(compute_s[0], dma(overlapped[0] + write[-1]))
-        last = np.maximum(compute_s[-1], dma(overlapped[-1] + fetch[0]))
+        first = np.maximum(compute_s[0], dma(overlapped[0] + write[-1], max(big[0], big_write[-1])))
+        last = np.maximum(compute_s[-1], dma(overlapped[-1] + fetch[0], max(big[-1], big_fetch[0])))
         total += (repeats - 1) * (first - steps[0] + last - steps[-1])
-    return float(dma(fetch[:1])[0] + total + dma(write[-1:])[0])
+    return float(dma(fetch[:1], big_fetch[:1])[0] + total + dma(write[-1:], big_write[-1:])[0])
 
 
 def generation_of_device_kind(device_kind: str) -> Generation:
