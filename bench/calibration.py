@@ -557,7 +557,7 @@ def write_calibration(rows: list[dict], out: Path) -> None:
             lines += ["", f"Both rings fit one line: a copy arrives its latency after it starts or its bytes' time after "
                       f"the copy before it, at {fit['bandwidth'] / 1e12:.2f} TB/s ({fit['share']:.0%} of the table's) "
                       f"with a latency of {fit['latency'] * 1e6:.2f} us. The model's copies take this fit "
-                      f"(`bench/pipeline.py`): {pipeline.HBM_SHARE:.0%} of each generation's table bandwidth, and on "
+                      f"(`kernels/runtime/generations.py`): {pipeline.HBM_SHARE:.0%} of each generation's table bandwidth, and on "
                       f"tpu7x a latency of {pipeline.COPY_LATENCY_S['tpu7x'][0] * 1e6:.2f} us for copies of "
                       f"{pipeline.COPY_LATENCY_S['tpu7x'][1] >> 20} MiB or more (less for smaller ones)."]
     if paged:
@@ -622,7 +622,7 @@ Where the model is off, and why (what it cannot see):
 - A decode step's weights streamed (tpu7x): helion's ring of 2 MiB copies measured 3.29 TB/s with four in
   flight (89% of the table's 3.69 TB/s; a streamed copy in tpu-inference issue 3520: 3.21 TB/s) and 127 us
   with two, which a latency of about 1.1 us per 2 MiB copy explains (two in flight hide only part of
-  it). The model's copies take that fit (`bench/pipeline.py`: `HBM_SHARE`, `COPY_LATENCY_S`), so both
+  it). The model's copies take that fit (`runtime/generations.py`: `HBM_SHARE`, `COPY_LATENCY_S`), so both
   rings are rows the fit reproduces rather than checks; at the published bandwidth and 0.3 us they were
   0.90x and 0.65x. The latency is not one for every copy: tokamax's splash backward on tpu7x, whose steps
   wait on copies of a few hundred KiB, measured about 1 us per step, less than that latency alone (with
@@ -630,8 +630,8 @@ Where the model is off, and why (what it cannot see):
   grows with a copy's bytes up to the ring's (an interpolation, no measurement between), never below
   0.3 us. What the fit implies: a step of Pallas's two-slot pipeline (one copy in flight) waiting on a
   copy of megabytes pays the whole latency, as at decode; a ring with three 2 MiB copies in flight
-  (ragged_dot's ring entries) is bandwidth-bound. XLA's ops stream at the same share, so the MLP XLA streamed at 2.99 TB/s
-  is modeled 0.91x: XLA rows that stream weights at decode (the headline's eager loop, grouped_mm,
+  (ragged_dot's ring entries) is bandwidth-bound. XLA's ops stream at the same share, so the MLP XLA
+  streamed at 2.99 TB/s is modeled 0.91x: XLA rows that stream weights at decode (the headline's eager loop, grouped_mm,
   batched_mm) are modeled about a tenth faster than this measurement of XLA. These are one chip's
   points: the share is taken for the other generations, and their latency is not measured here.
 - Ragged paged attention v3 (tpu7x): at full attention over 16k-token contexts, as our paged bench's rows
