@@ -60,7 +60,8 @@ def _not_modeled(case):
 def _known_off(case):
     """The rows calibration.md names as past the target, with the band they stay in: the splash
     rows from 32k tokens (the model grows slower than the measurement with the sequence, and the
-    copy fit slows the backward's copies: 1.42x at most, 32k's backward at head dim 256), the 1k-token cached row (one masked block per head), and XLA's own
+    copy fit slows the backward's copies: 1.42x at most, 32k's backward at head dim 256), the
+    1k-token cached row (one masked block per head), and XLA's own
     ragged_dot on v5e (0.5x: its trips' compute and DMAs add up to the measured time there, while
     on tpu7x the longer of the two matches it, as the model takes it) and where it tiles the
     contraction of weights [G, N, K] inside its loop (counted once); and ragged paged attention v3
