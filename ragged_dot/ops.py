@@ -574,17 +574,24 @@ def take_rows(table, index):
     step's tokens) a one-hot matmul, exact (one term per output, one MXU pass),
     which takes the MXU a fraction of the time a TPU takes to gather the rows; else a gather.
 
-    A non-finite entry would reach every row of the product (0 x inf is NaN): the product takes
-    the finite entries only, and a row whose source holds any other is NaN whole (what a matmul
-    of it gives anyway), so one token's overflow or NaN stays its own."""
+    A row whose source holds a non-finite entry is NaN whole (what a matmul of it gives anyway) and
+    no other row sees it (`_dot_keeping_non_finite_rows_apart`): one token's overflow stays its own."""
     if table.shape[0] > ONE_HOT_ROWS or table.dtype.itemsize != 2:
         return table[index]
-    one_hot = (index[:, None] == jnp.arange(table.shape[0], dtype=index.dtype)[None, :]).astype(table.dtype)
+    one_hot = index[:, None] == jnp.arange(table.shape[0], dtype=index.dtype)[None, :]
+    return _dot_keeping_non_finite_rows_apart(one_hot.astype(table.dtype), table, one_hot,
+                                              preferred_element_type=jnp.float32).astype(table.dtype)
+
+
+def _dot_keeping_non_finite_rows_apart(matrix, table, selects, **dot_options):
+    """matrix @ table, where a non-finite entry of the table would reach every output row (0 x inf is
+    NaN): the product takes the table's finite entries only, and an output row that `selects` (bool,
+    as matrix) a row holding any other is NaN whole, so that row's overflow or NaN stays its own."""
     finite = jnp.isfinite(table)
-    rows = jnp.dot(one_hot, jnp.where(finite, table, 0), preferred_element_type=jnp.float32)
-    spoilt = jnp.dot(one_hot, jnp.logical_not(jnp.all(finite, axis=1)).astype(table.dtype),
+    out = jnp.dot(matrix, jnp.where(finite, table, 0), **dot_options)
+    spoilt = jnp.dot(selects.astype(table.dtype), jnp.logical_not(jnp.all(finite, axis=1)).astype(table.dtype),
                      preferred_element_type=jnp.float32)
-    return jnp.where(spoilt[:, None] > 0, jnp.nan, rows).astype(table.dtype)
+    return jnp.where(spoilt[:, None] > 0, jnp.nan, out)
 
 
 COMBINE_TOKENS = 256  # `combine_rows` sums a step of up to this many tokens by one matmul
@@ -595,23 +602,19 @@ def combine_rows(y, order, row_weight, slot_weight, top_k):
     summed in fp32. Up to COMBINE_TOKENS tokens of a 16-bit y: one matmul of a [tokens, rows] matrix
     holding each row's weight (row_weight: the weights sorted as the rows) in its token's row, by y
     (exact products of 16-bit weights; fp32 weights at full precision), with no gather or scatter of
-    rows; a non-finite row of y is left out of the product and its token's output is NaN, so it
-    stays its own. Else the rows gathered back to token order (`take_rows`) and summed."""
+    rows; a non-finite row of y makes its own token's output NaN and no other's
+    (`_dot_keeping_non_finite_rows_apart`). Else the rows gathered back to token order (`take_rows`)
+    and summed."""
     num_tokens = order.shape[0] // top_k
     if num_tokens > COMBINE_TOKENS or y.dtype.itemsize != 2:
         rows = take_rows(y, jnp.argsort(order)).astype(jnp.float32)
         return (rows * slot_weight[:, None]).reshape(num_tokens, top_k, -1).sum(axis=1)
     mine = (order // top_k)[None, :] == jnp.arange(num_tokens, dtype=order.dtype)[:, None]  # [tokens, rows]
     weights = jnp.where(mine, row_weight[None, :], 0)
-    finite = jnp.isfinite(y)
-    y = jnp.where(finite, y, 0)
     if row_weight.dtype.itemsize == 2:
-        out = jnp.dot(weights.astype(y.dtype), y, preferred_element_type=jnp.float32)
-    else:
-        out = jnp.dot(weights.astype(jnp.float32), y.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    spoilt = jnp.dot(mine.astype(y.dtype), jnp.logical_not(jnp.all(finite, axis=1)).astype(y.dtype),
-                     preferred_element_type=jnp.float32)
-    return jnp.where(spoilt[:, None] > 0, jnp.nan, out)
+        return _dot_keeping_non_finite_rows_apart(weights.astype(y.dtype), y, mine, preferred_element_type=jnp.float32)
+    return _dot_keeping_non_finite_rows_apart(weights.astype(jnp.float32), y.astype(jnp.float32), mine,
+                                              precision=jax.lax.Precision.HIGHEST)
 
 
 def _down_as_held(act, slot_weight, unsort, ids, down_proj, down_bias, transposed, dtype):
