@@ -443,6 +443,9 @@ def profile(fn, *args, name_contains: str = "") -> list[KernelProfile]:
             elif eqn.primitive.name in ("pjit", "jit", "closed_call", "core_call"):
                 sub = params["jaxpr"]
                 outs = run(sub.jaxpr, sub.consts, invals)
+            elif eqn.primitive.name in ("custom_vjp_call", "custom_jvp_call"):  # the forward as defined
+                sub = params["call_jaxpr"]
+                outs = run(sub.jaxpr, sub.consts, invals)
             elif eqn.primitive.name == "with_memory_space_constraint":  # a placement hint, not run eagerly
                 outs = invals[:1]
             else:

@@ -16,6 +16,7 @@ from jax.experimental.layout import Layout
 
 from ._shared.generations import GENERATIONS, current_generation, default_interpret
 from ._shared.tuning import round_up
+from . import fused
 from .kernel import (INT4_GROUPS, MX_BLOCK, PACKED_CHUNK, SCALE_BLOCK, grouped_matmul, packed_k_step, ring_fits,
                      transposed_grouped_matmul)
 from .tuning import choose_blocks, choose_weight_grad_blocks, forward_buffers, vmem_limit, weight_grad_buffers
@@ -519,9 +520,72 @@ def experts_forward(
     if activation != CLAMPED_SWIGLU and activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)} and {CLAMPED_SWIGLU!r}")
     generation, interpret = _resolve(generation, interpret)
-    num_tokens, top_k = top_k_index.shape
     num_experts = up_proj.shape[0]
     ids = jnp.clip(top_k_index, 0, num_experts)  # what the kernels walk; invalid ids are reported below
+    options = dict(activation=activation, gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha,
+                   limit=limit, generation=generation, interpret=interpret)
+    if fused_decode_applies(hidden_states, ids, up_proj, down_proj, up_bias, down_bias, up_scale, down_scale,
+                            **options):
+        out = _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, tuple(options.items()))
+    else:
+        out = _grouped_experts(hidden_states, ids, top_k_weights, up_proj, down_proj, up_bias, down_bias, up_scale,
+                               down_scale, **options)
+    ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
+    return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)
+
+
+def fused_decode_applies(hidden_states, ids, up_proj, down_proj, up_bias, down_bias, up_scale, down_scale, *,
+                         activation, gated, interleaved, transposed, generation, **_) -> bool:
+    """Whether `experts_forward` runs as one kernel (`fused.fused_experts`): a step of at most
+    FUSED_TOKENS tokens (where one kernel's single wait for its first copies and single last step
+    beat the grouped path's two kernels, modeled on every generation), experts in bf16 or float32
+    with gate then up rows, no biases or scales, dims multiples of 128, held as laid out."""
+    if (ids.shape[0] > fused.FUSED_TOKENS or not gated or interleaved or transposed or activation not in ACTIVATIONS
+            or any(a is not None for a in (up_bias, down_bias, up_scale, down_scale))):
+        return False
+    if not (hidden_states.dtype == up_proj.dtype == down_proj.dtype and up_proj.dtype in (jnp.bfloat16, jnp.float32)):
+        return False
+    num_experts, two_inter, hidden = up_proj.shape
+    if down_proj.shape != (num_experts, hidden, two_inter // 2) or two_inter % (2 * fused.BLOCKS.chunk) or hidden % 128:
+        return False
+    row_major = (None, (0, 1, 2))
+    return (stored_order(up_proj.shape, up_proj.dtype) in row_major
+            and stored_order(down_proj.shape, down_proj.dtype) in row_major
+            and fused.fits(hidden_states.shape[0], hidden, up_proj.dtype, generation))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, options):
+    """The fused kernel forward; its gradient is the grouped path's (a decode step is rarely
+    differentiated; the grouped kernels' backward serves it)."""
+    o = dict(options)
+    return fused.experts_forward_fused(hidden_states, ids, top_k_weights, up_proj, down_proj,
+                                       activation=ACTIVATIONS[o["activation"]], generation=o["generation"],
+                                       interpret=o["interpret"])
+
+
+def _fused_decode_fwd(hidden_states, ids, top_k_weights, up_proj, down_proj, options):
+    out = _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, options)
+    return out, (hidden_states, ids, top_k_weights, up_proj, down_proj)
+
+
+def _fused_decode_bwd(options, residuals, grad_out):
+    hidden_states, ids, top_k_weights, up_proj, down_proj = residuals
+    grouped = lambda x, w, up, down: _grouped_experts(x, ids, w, up, down, None, None, None, None, **dict(options))
+    _, vjp = jax.vjp(grouped, hidden_states, top_k_weights, up_proj, down_proj)
+    grad_x, grad_w, grad_up, grad_down = vjp(grad_out.astype(jnp.float32))
+    return grad_x, None, grad_w, grad_up, grad_down
+
+
+_fused_decode.defvjp(_fused_decode_fwd, _fused_decode_bwd)
+
+
+def _grouped_experts(hidden_states, ids, top_k_weights, up_proj, down_proj, up_bias, down_bias, up_scale, down_scale,
+                     *, activation, gated, interleaved, transposed, alpha, limit, generation, interpret):
+    """`experts_forward` as two grouped matmuls around a sort of the rows by expert; float32 [T, H].
+    ids: the top-k ids clipped to [0, E] (E: another shard's)."""
+    num_tokens, top_k = ids.shape
+    num_experts = up_proj.shape[0]
     # Each (token, slot)'s weight, zero where its expert is on another shard (its row is in no group).
     slot_weight = jnp.where(ids < num_experts, top_k_weights, 0)
     order, group_sizes, row_weight = route(ids, num_experts, slot_weight)
@@ -549,9 +613,7 @@ def experts_forward(
     else:
         y = project(act.astype(hidden_states.dtype), down_proj, down_bias, down_scale)
         out = combine_rows(y, order, row_weight, slot_weight, top_k)
-    out = out[:, :hidden_states.shape[1]]
-    ids_valid = jnp.all((top_k_index >= 0) & (top_k_index <= num_experts))
-    return jnp.where(ids_valid, out, jnp.nan).astype(hidden_states.dtype)
+    return out[:, :hidden_states.shape[1]]
 
 
 def down_held_experts_minor(down_proj, num_tokens: int, generation: str) -> bool:
