@@ -335,8 +335,9 @@ def tune_call(shape, tokens, call, generation, cache=None):
             if kind == "forward" else tuning.rule_weight_grad_blocks(rows, k, n, groups, generation, itemsize))
     candidates = list(dict.fromkeys(ranked[:CANDIDATES] + [rule]))
     if kind == "forward":  # each again with its weights through a ring, where its blocks are whole
-        candidates += [dataclasses.replace(b, weight_buffers=depth) for b in candidates for depth in RING_DEPTHS
-                       if kernel.ring_fits(b_shape, transpose_rhs, False, b)]
+        ringed = [dataclasses.replace(b, weight_buffers=depth) for b in candidates for depth in RING_DEPTHS]
+        candidates += [b for b in ringed if kernel.ring_fits(b_shape, transpose_rhs, False, b)
+                       and buffers(b, itemsize) <= tuning.max_buffers(generation)]  # as every entry: headroom
     cache = schedule_cache(generation) if cache is None else cache
     args = (jax.ShapeDtypeStruct(a_shape, jnp.bfloat16), jax.ShapeDtypeStruct(b_shape, jnp.bfloat16),
             jnp.asarray(bench.routing(shape, tokens)))

@@ -201,9 +201,14 @@ def _weight_ring(plan: RingPlan, rhs_hbm, slots, sems, depth: int, transpose_rhs
     step = v * pl.num_programs(2) + k
     rows, cols = slots.shape[1:]
 
+    # A block spanning its whole dim starts at a static 0: Mosaic takes an offset into a dim that is
+    # not a multiple of 128 lanes only so (gpt-oss's K of 2880 as the minor dim).
+    start = lambda block, size, dim: 0 if size >= dim else block * size
+
     def copy(c):
         row_block, col_block = (nn, plan.copy_k_block[c]) if transpose_rhs else (plan.copy_k_block[c], nn)
-        source = rhs_hbm.at[plan.copy_group[c], pl.ds(row_block * rows, rows), pl.ds(col_block * cols, cols)]
+        source = rhs_hbm.at[plan.copy_group[c], pl.ds(start(row_block, rows, rhs_hbm.shape[1]), rows),
+                            pl.ds(start(col_block, cols, rhs_hbm.shape[2]), cols)]
         return pltpu.make_async_copy(source, slots.at[c % depth], sems.at[c % depth])
 
     for first in range(depth - 1):

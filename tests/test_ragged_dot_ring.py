@@ -195,3 +195,21 @@ def test_a_copys_latency_grows_with_its_bytes_to_the_measured_one():
                    lambda: pipeline.copying_pipeline_seconds(compute, fetch, write, none, none, none.astype(bool),
                                                              np.zeros(3, np.int64), 1e12, latency, largest)):
         assert sum_of() == pytest.approx(at / 1e12 + measured + at / 2 / 1e12 + measured * 3 / 8)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_a_ring_over_a_whole_unaligned_dim_compiles(transpose_rhs):
+    """gpt-oss-20b's K of 2880 (not a multiple of 128) in one block, through a ring, the kernel
+    given either layout (`ragged_dot` views weights as libtpu holds them, which keeps an unaligned
+    dim off the lanes; the kernel itself may be handed any): where K is the weights' minor dim its
+    copies must start at a static 0 (Mosaic takes no other offset into an unaligned lane dim).
+    libtpu compiles it for v6e."""
+    import tpu_compile
+
+    k, n = 2880, 5760
+    weights = ((32, n, k) if transpose_rhs else (32, k, n), jnp.bfloat16)
+    blocks = BlockSizes(32, k, 1920, weight_buffers=4)
+    fn = lambda x, w, g: ops._forward(x, w, g, transpose_rhs, "v6e", False, blocks=blocks)
+    report = tpu_compile.compile_for(fn, [((64, k), jnp.bfloat16), weights, ((32,), jnp.int32)], "v6e",
+                                     "ragged_dot_tpu")
+    assert len(report.kernels) == 1
