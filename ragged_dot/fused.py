@@ -44,23 +44,26 @@ FUSED_TOKENS = 2
 BLOCKS = FusedBlocks(chunk=128, depth=3)
 
 
-def vmem_need(tokens: int, hidden: int, dtype, blocks: FusedBlocks = BLOCKS) -> int:
-    """The kernel's VMEM bytes: the ring's gate, up and down slots, the tokens' rows and weights
-    (double-buffered), the output and the expert's float32 sum."""
+def vmem_need(tokens: int, hidden: int, weight_dtype, blocks: FusedBlocks = BLOCKS, scaled: bool = False) -> int:
+    """The kernel's VMEM bytes: the ring's gate, up and down slots, the tokens' rows (taken as fp32:
+    at most) and weights, double-buffered, the output and the expert's float32 sum; and int8
+    weights' scales, double-buffered."""
     padded = -(-tokens // ROW_TILE) * ROW_TILE
-    itemsize = jnp.dtype(dtype).itemsize
+    itemsize = jnp.dtype(weight_dtype).itemsize
     ring = blocks.depth * 3 * blocks.chunk * hidden * itemsize
-    rows = 2 * padded * hidden * itemsize + 4 * padded * 128 * 4
-    return ring + rows + 3 * padded * hidden * 4
+    rows = 2 * padded * hidden * 4 + 4 * padded * 128 * 4
+    scales = 2 * 8 * (2 * blocks.chunk + hidden) * 4 if scaled else 0  # a [1, n] float32 block takes 8 sublanes
+    return ring + rows + 3 * padded * hidden * 4 + scales
 
 
-def fits(tokens: int, hidden: int, dtype, generation: str) -> bool:
-    return vmem_need(tokens, hidden, dtype) <= max_buffers(generation)
+def fits(tokens: int, hidden: int, weight_dtype, generation: str, scaled: bool = False) -> bool:
+    return vmem_need(tokens, hidden, weight_dtype, BLOCKS, scaled) <= max_buffers(generation)
 
 
-def _kernel(live_ref, num_live_ref, x_ref, weight_ref, routed_ref, gate_up_hbm, down_hbm, out_ref,
-            gate_slots, up_slots, down_slots, sems, expert_out, *, chunks: int, inter: int, depth: int,
-            activation, precision):
+def _kernel(live_ref, num_live_ref, x_ref, weight_ref, routed_ref, *refs, chunks: int, inter: int, depth: int,
+            activation, precision, scaled: bool):
+    gate_scale, up_scale, down_scale = refs[:3] if scaled else (None, None, None)
+    gate_up_hbm, down_hbm, out_ref, gate_slots, up_slots, down_slots, sems, expert_out = refs[3 if scaled else 0:]
     step = pl.program_id(0)
     c = step % chunks
     live_steps = num_live_ref[0] * chunks
@@ -103,11 +106,18 @@ def _kernel(live_ref, num_live_ref, x_ref, weight_ref, routed_ref, gate_up_hbm, 
         slot = step % depth
         x = x_ref[...]
         dims = (((1,), (1,)), ((), ()))  # x [T, H] . w [tile, H]^T
-        gate = jax.lax.dot_general(x, gate_slots[slot], dims, precision=precision,
+        # int8 weights go into a bf16 product as they are (Mosaic widens them on the way into the
+        # MXU), into an fp32 one widened in VMEM (exactly); their scale per output channel multiplies
+        # the fp32 product, as the grouped kernel's.
+        widen = lambda w: w.astype(x.dtype) if x.dtype == jnp.float32 else w
+        gate = jax.lax.dot_general(x, widen(gate_slots[slot]), dims, precision=precision,
                                    preferred_element_type=jnp.float32)
-        up = jax.lax.dot_general(x, up_slots[slot], dims, precision=precision, preferred_element_type=jnp.float32)
+        up = jax.lax.dot_general(x, widen(up_slots[slot]), dims, precision=precision,
+                                 preferred_element_type=jnp.float32)
+        if scaled:
+            gate, up = gate * gate_scale[...], up * up_scale[...]
         act = (activation(gate) * up).astype(x.dtype)
-        part = jax.lax.dot_general(act, down_slots[slot], dims, precision=precision,
+        part = jax.lax.dot_general(act, widen(down_slots[slot]), dims, precision=precision,
                                    preferred_element_type=jnp.float32)
 
         @pl.when(c == 0)
@@ -120,18 +130,20 @@ def _kernel(live_ref, num_live_ref, x_ref, weight_ref, routed_ref, gate_up_hbm, 
 
         @pl.when(c == chunks - 1)
         def _():
-            y = expert_out[...].astype(x.dtype).astype(jnp.float32)
+            y = expert_out[...] * down_scale[...] if scaled else expert_out[...]
+            y = y.astype(x.dtype).astype(jnp.float32)
             out_ref[...] += jnp.where(routed_ref[0] > 0, y * weight_ref[0], 0.0)
 
 
-def fused_experts(hidden_states, live, num_live, weight, routed, gate_up_proj, down_proj, *, activation,
-                  generation: str, blocks: FusedBlocks = BLOCKS, interpret=False):
+def fused_experts(hidden_states, live, num_live, weight, routed, gate_up_proj, down_proj, up_scale=None,
+                  down_scale=None, *, activation, generation: str, blocks: FusedBlocks = BLOCKS, interpret=False):
     """out [T, H] float32 = sum over live experts j of weight[j] * (act(x gate_j^T) * (x up_j^T)) down_j^T.
 
     hidden_states [T, H] (T a multiple of ROW_TILE); live int32 [L]: the experts to walk, the first
     num_live ([1]) of them; weight, routed float32 [L, T, 1]: each token's weight for live[j] and 1
     where the token was routed to it (its row is added, even at weight 0, so a non-finite output
-    stays its own token's); gate_up_proj [E, 2I, H] (gate rows then up rows); down_proj [E, H, I]."""
+    stays its own token's); gate_up_proj [E, 2I, H] (gate rows then up rows); down_proj [E, H, I];
+    int8 weights with their float32 scales per output channel, up_scale [E, 2I] and down_scale [E, H]."""
     tokens, hidden = hidden_states.shape
     _, two_inter, _ = gate_up_proj.shape
     inter = two_inter // 2
@@ -141,11 +153,18 @@ def fused_experts(hidden_states, live, num_live, weight, routed, gate_up_proj, d
     # is routed here (expert parallel: every slot on other shards).
     num_steps = jnp.maximum(num_live[0] * chunks, 1)
     dtype = gate_up_proj.dtype
-    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    precision = jax.lax.Precision.HIGHEST if hidden_states.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     per_expert = lambda s, live, n: (s // chunks, 0, 0)
+    scaled = up_scale is not None
+    scale_specs, scales = [], []
+    if scaled:  # each step's chunk of the gate's and up's scales, the expert's down scales
+        scale_specs = [pl.BlockSpec((None, 1, chunk), lambda s, live, n: (live[s // chunks], 0, s % chunks)),
+                       pl.BlockSpec((None, 1, chunk), lambda s, live, n: (live[s // chunks], 0, chunks + s % chunks)),
+                       pl.BlockSpec((None, 1, hidden), lambda s, live, n: (live[s // chunks], 0, 0))]
+        scales = [up_scale[:, None, :], up_scale[:, None, :], down_scale[:, None, :]]
     return pl.pallas_call(
         functools.partial(_kernel, chunks=chunks, inter=inter, depth=depth, activation=activation,
-                          precision=precision),
+                          precision=precision, scaled=scaled),
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -154,6 +173,7 @@ def fused_experts(hidden_states, live, num_live, weight, routed, gate_up_proj, d
                 pl.BlockSpec((tokens, hidden), lambda s, live, n: (0, 0)),
                 pl.BlockSpec((1, tokens, 1), per_expert),
                 pl.BlockSpec((1, tokens, 1), per_expert),
+                *scale_specs,
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
@@ -168,11 +188,11 @@ def fused_experts(hidden_states, live, num_live, weight, routed, gate_up_proj, d
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),  # the ring and the output's sum run in step order
-            vmem_limit_bytes=vmem_limit(vmem_need(tokens, hidden, dtype, blocks), generation),
+            vmem_limit_bytes=vmem_limit(vmem_need(tokens, hidden, dtype, blocks, scaled), generation),
         ),
         interpret=interpret,
         name="fused_experts_tpu",
-    )(live, num_live, hidden_states, weight, routed, gate_up_proj, down_proj)
+    )(live, num_live, hidden_states, weight, routed, *scales, gate_up_proj, down_proj)
 
 
 def routed_experts(top_k_index, top_k_weights, num_experts: int, padded_tokens: int):
@@ -193,14 +213,15 @@ def routed_experts(top_k_index, top_k_weights, num_experts: int, padded_tokens: 
     return live, num_live, jnp.pad(weight, pad)[..., None], jnp.pad(routed, pad)[..., None]
 
 
-def experts_forward_fused(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation,
-                          generation: str, blocks: FusedBlocks = BLOCKS, interpret=False):
+def experts_forward_fused(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, up_scale=None,
+                          down_scale=None, *, activation, generation: str, blocks: FusedBlocks = BLOCKS,
+                          interpret=False):
     """experts_forward's output, float32 [T, H], from `fused_experts`: the tokens padded to ROW_TILE
     rows, their routing per live expert (`routed_experts`)."""
     tokens = hidden_states.shape[0]
     padded = -(-tokens // ROW_TILE) * ROW_TILE
     live, num_live, weight, routed = routed_experts(top_k_index, top_k_weights, gate_up_proj.shape[0], padded)
     x = jnp.pad(hidden_states, ((0, padded - tokens), (0, 0)))
-    out = fused_experts(x, live, num_live, weight, routed, gate_up_proj, down_proj, activation=activation,
-                        generation=generation, blocks=blocks, interpret=interpret)
+    out = fused_experts(x, live, num_live, weight, routed, gate_up_proj, down_proj, up_scale, down_scale,
+                        activation=activation, generation=generation, blocks=blocks, interpret=interpret)
     return out[:tokens]

@@ -526,7 +526,8 @@ def experts_forward(
                    limit=limit, generation=generation, interpret=interpret)
     if fused_decode_applies(hidden_states, ids, up_proj, down_proj, up_bias, down_bias, up_scale, down_scale,
                             **options):
-        out = _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, tuple(options.items()))
+        out = _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, up_scale, down_scale,
+                            tuple(options.items()))
     else:
         out = _grouped_experts(hidden_states, ids, top_k_weights, up_proj, down_proj, up_bias, down_bias, up_scale,
                                down_scale, **options)
@@ -538,12 +539,19 @@ def fused_decode_applies(hidden_states, ids, up_proj, down_proj, up_bias, down_b
                          activation, gated, interleaved, transposed, generation, **_) -> bool:
     """Whether `experts_forward` runs as one kernel (`fused.fused_experts`): a step of at most
     FUSED_TOKENS tokens (where one kernel's single wait for its first copies and single last step
-    beat the grouped path's two kernels, modeled on every generation), experts in bf16 or float32
-    with gate then up rows, no biases or scales, dims multiples of 128, held as laid out."""
+    beat the grouped path's two kernels, modeled on every generation), experts with gate then up
+    rows, no biases, dims multiples of 128, held as laid out; in bf16 or float32 (the tokens' dtype),
+    or int8 with a scale per output channel."""
     if (ids.shape[0] > fused.FUSED_TOKENS or not gated or interleaved or transposed or activation not in ACTIVATIONS
-            or any(a is not None for a in (up_bias, down_bias, up_scale, down_scale))):
+            or up_bias is not None or down_bias is not None):
         return False
-    if not (hidden_states.dtype == up_proj.dtype == down_proj.dtype and up_proj.dtype in (jnp.bfloat16, jnp.float32)):
+    scaled = up_scale is not None
+    if scaled:
+        per_channel = up_scale.ndim == 2 and down_scale is not None and down_scale.ndim == 2
+        if not (per_channel and up_proj.dtype == down_proj.dtype == jnp.int8
+                and hidden_states.dtype in (jnp.bfloat16, jnp.float32)):
+            return False
+    elif not (hidden_states.dtype == up_proj.dtype == down_proj.dtype and up_proj.dtype in (jnp.bfloat16, jnp.float32)):
         return False
     num_experts, two_inter, hidden = up_proj.shape
     if down_proj.shape != (num_experts, hidden, two_inter // 2) or two_inter % (2 * fused.BLOCKS.chunk) or hidden % 128:
@@ -551,30 +559,36 @@ def fused_decode_applies(hidden_states, ids, up_proj, down_proj, up_bias, down_b
     row_major = (None, (0, 1, 2))
     return (stored_order(up_proj.shape, up_proj.dtype) in row_major
             and stored_order(down_proj.shape, down_proj.dtype) in row_major
-            and fused.fits(hidden_states.shape[0], hidden, up_proj.dtype, generation))
+            and fused.fits(hidden_states.shape[0], hidden, up_proj.dtype, generation, scaled))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, options):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, up_scale, down_scale, options):
     """The fused kernel forward; its gradient is the grouped path's (a decode step is rarely
     differentiated; the grouped kernels' backward serves it)."""
     o = dict(options)
-    return fused.experts_forward_fused(hidden_states, ids, top_k_weights, up_proj, down_proj,
+    return fused.experts_forward_fused(hidden_states, ids, top_k_weights, up_proj, down_proj, up_scale, down_scale,
                                        activation=ACTIVATIONS[o["activation"]], generation=o["generation"],
                                        interpret=o["interpret"])
 
 
-def _fused_decode_fwd(hidden_states, ids, top_k_weights, up_proj, down_proj, options):
-    out = _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, options)
-    return out, (hidden_states, ids, top_k_weights, up_proj, down_proj)
+def _fused_decode_fwd(hidden_states, ids, top_k_weights, up_proj, down_proj, up_scale, down_scale, options):
+    out = _fused_decode(hidden_states, ids, top_k_weights, up_proj, down_proj, up_scale, down_scale, options)
+    return out, (hidden_states, ids, top_k_weights, up_proj, down_proj, up_scale, down_scale)
 
 
 def _fused_decode_bwd(options, residuals, grad_out):
-    hidden_states, ids, top_k_weights, up_proj, down_proj = residuals
-    grouped = lambda x, w, up, down: _grouped_experts(x, ids, w, up, down, None, None, None, None, **dict(options))
-    _, vjp = jax.vjp(grouped, hidden_states, top_k_weights, up_proj, down_proj)
-    grad_x, grad_w, grad_up, grad_down = vjp(grad_out.astype(jnp.float32))
-    return grad_x, None, grad_w, grad_up, grad_down
+    hidden_states, ids, top_k_weights, up_proj, down_proj, up_scale, down_scale = residuals
+    o = dict(options)
+    if up_scale is None:
+        grouped = lambda x, w, up, down: _grouped_experts(x, ids, w, up, down, None, None, None, None, **o)
+        _, vjp = jax.vjp(grouped, hidden_states, top_k_weights, up_proj, down_proj)
+        grad_x, grad_w, grad_up, grad_down = vjp(grad_out.astype(jnp.float32))
+    else:  # quantized experts are frozen (adapters train around them): no gradient for them or their scales
+        grouped = lambda x, w: _grouped_experts(x, ids, w, up_proj, down_proj, None, None, up_scale, down_scale, **o)
+        _, vjp = jax.vjp(grouped, hidden_states, top_k_weights)
+        (grad_x, grad_w), grad_up, grad_down = vjp(grad_out.astype(jnp.float32)), None, None
+    return grad_x, None, grad_w, grad_up, grad_down, None, None
 
 
 _fused_decode.defvjp(_fused_decode_fwd, _fused_decode_bwd)

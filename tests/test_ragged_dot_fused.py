@@ -82,7 +82,10 @@ def test_fused_decode_matches_float64(tokens, dtype):
     (lambda a, o: (a, {**o, "interleaved": True}), False),
     (lambda a, o: (inputs(1, jnp.bfloat16, inter=192), o), False),  # an intermediate dim not a multiple of 128
     (lambda a, o: (a, {**o, "activation": "gelu_tanh"}), True),
-], ids=["decode", "three_tokens", "biases", "interleaved", "unaligned", "gelu"])
+    (lambda a, o: ((*a[:3], jnp.zeros(a[3].shape, jnp.float8_e4m3fn), jnp.zeros(a[4].shape, jnp.float8_e4m3fn)),
+                   {**o, "up_scale": jnp.ones((E, 2 * I // 128, H // 128)), "down_scale": jnp.ones((E, H // 128, I // 128))}),
+     False),  # fp8 with a scale per 128 x 128 block
+], ids=["decode", "three_tokens", "biases", "interleaved", "unaligned", "gelu", "fp8_blocks"])
 def test_fused_decode_applies_where_it_is_one_kernel(change, fused_runs):
     args, options = change(inputs(1, jnp.bfloat16), {})
     names = pallas_calls(lambda *a: forward(*a, **options), *args)
@@ -135,6 +138,40 @@ def test_each_routed_experts_weights_are_copied_once():
     assert fetched == routed * 3 * I * H * 2
 
 
+def quantized(weights):
+    """int8 weights [E, N, K] with a float32 scale per expert and output channel [E, N]."""
+    w = np.asarray(weights, np.float32)
+    scale = np.abs(w).max(axis=2) / 127
+    return jnp.asarray(np.round(w / scale[..., None]), jnp.int8), jnp.asarray(scale, jnp.float32)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_int8_experts_match_float64(tokens, dtype):
+    """int8 experts with a scale per output channel (what `quantize_experts` holds), bf16 or fp32
+    tokens: against float64 on the dequantized weights, within the bounds of the test above (the
+    int8 codes are exact in the product; the scales multiply its fp32 sums). A scale taken from the
+    wrong chunk, expert or projection is off by the ratio of two scales."""
+    hidden, ids, weights, up, down = inputs(tokens, dtype, seed=6)
+    (up_q, up_scale), (down_q, down_scale) = quantized(up), quantized(down)
+    args = (hidden, ids, weights, up_q, down_q)
+    run = lambda *a: forward(*a, up_scale=up_scale, down_scale=down_scale)
+    assert pallas_calls(run, *args) == ["fused_experts_tpu"]
+    dequantized = lambda q, scale: np.asarray(q, np.float64) * np.asarray(scale, np.float64)[..., None]
+    want = reference(hidden, ids, weights, dequantized(up_q, up_scale), dequantized(down_q, down_scale))
+    got = np.asarray(run(*args), np.float32)
+    assert np.abs(got - want).max() <= (2**-18 if dtype == jnp.float32 else 2**-6) * np.abs(want).max()
+    # The gradient of the tokens and their routing weights (the experts frozen): the grouped path's.
+    cot = jnp.asarray(np.random.default_rng(7).standard_normal(hidden.shape), dtype)
+    grads = jax.vjp(lambda x, w: run(x, ids, w, up_q, down_q), hidden, weights)[1](cot)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused, "FUSED_TOKENS", 0)
+        want_grads = jax.vjp(lambda x, w: forward(x, ids, w, up_q, down_q, up_scale=up_scale,
+                                                  down_scale=down_scale), hidden, weights)[1](cot)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_no_race_no_out_of_bounds():
     """The TPU interpreter: races between the ring's copies and the steps reading them, copies out of
     bounds, and unwritten VMEM read (as NaN) would show; a step with a repeated expert (two tokens
@@ -160,20 +197,25 @@ def test_no_race_no_out_of_bounds():
 
 # Qwen3-30B-A3B's and DeepSeek-V3's experts at one token: the VMEM of the largest hidden dim
 # (DeepSeek-V3's 21 GB of experts a layer do not fit v5e's HBM).
+# (int8 on tpu7x and v6e: the chips its decode rows are benched on.)
 MODELS = {"Qwen3-30B-A3B": (128, 2048, 768, 8), "DeepSeek-V3": (256, 7168, 2048, 8)}
-CASES = [(m, g) for m in MODELS for g in sorted(GENERATIONS) if (m, g) != ("DeepSeek-V3", "v5e")]
+CASES = [(m, g, d) for m in MODELS for g in sorted(GENERATIONS) for d in ("bfloat16", "int8")
+         if (m, g) != ("DeepSeek-V3", "v5e") and (d == "bfloat16" or g in ("v6e", "tpu7x"))]
 
 
-@pytest.mark.parametrize("model,generation", [pytest.param(*c, id="-".join(c)) for c in
-                                              (CASES if sampling.ALL_COMPILES else
-                                               [("Qwen3-30B-A3B", "tpu7x"), ("DeepSeek-V3", "v5p")])])
-def test_fused_decode_compiles_and_fits_vmem(model, generation):
+@pytest.mark.parametrize("model,generation,dtype", [pytest.param(*c, id="-".join(c)) for c in (
+    CASES if sampling.ALL_COMPILES else
+    [("Qwen3-30B-A3B", "tpu7x", "bfloat16"), ("DeepSeek-V3", "v5p", "bfloat16"), ("Qwen3-30B-A3B", "v6e", "int8")])])
+def test_fused_decode_compiles_and_fits_vmem(model, generation, dtype):
     experts, hidden, inter, top_k = MODELS[model]
     specs = [((1, hidden), jnp.bfloat16), ((1, top_k), jnp.int32), ((1, top_k), jnp.bfloat16),
-             ((experts, 2 * inter, hidden), jnp.bfloat16), ((experts, hidden, inter), jnp.bfloat16)]
-    report = tpu_compile.compile_for(lambda *a: ops.experts_forward(*a, generation=generation, interpret=False),
-                                     specs, generation, "fused_experts_tpu")
+             ((experts, 2 * inter, hidden), dtype), ((experts, hidden, inter), dtype)]
+    scales = [((experts, 2 * inter), jnp.float32), ((experts, hidden), jnp.float32)] if dtype == "int8" else []
+    forward = lambda x, ids, w, up, down, *s: ops.experts_forward(
+        x, ids, w, up, down, **dict(zip(("up_scale", "down_scale"), s)), generation=generation, interpret=False)
+    report = tpu_compile.compile_for(forward, specs + scales, generation, "fused_experts_tpu")
     (used,) = [r.vmem_bytes for r in report.kernels.values()]
-    ring = fused.BLOCKS.depth * 3 * fused.BLOCKS.chunk * hidden * 2  # the gate, up and down slots
-    need = fused.vmem_need(1, hidden, jnp.bfloat16)  # what the kernel asks its limit for
+    itemsize = jnp.dtype(dtype).itemsize
+    ring = fused.BLOCKS.depth * 3 * fused.BLOCKS.chunk * hidden * itemsize  # the gate, up and down slots
+    need = fused.vmem_need(1, hidden, dtype, fused.BLOCKS, bool(scales))  # what the kernel asks its limit for
     assert ring <= used <= need <= GENERATIONS[generation].vmem_bytes, (ring, used, need)

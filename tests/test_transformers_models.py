@@ -293,16 +293,19 @@ def test_padded_experts_match_eager(family, hub_experts):
         kernel.pad_experts(quantized)
 
 
-def test_decode_steps_run_the_fused_kernel(hub_experts):
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+def test_decode_steps_run_the_fused_kernel(quantized, hub_experts):
     """A Qwen3-MoE whose expert dims are multiples of 128, loaded with get_kernel, generating one
     sequence: its decode steps (one token) run the experts as one kernel (ragged_dot/fused.py; the
     built tree's kernel counted as it is traced), its prefill the grouped path, and greedy
-    generation gives eager's tokens (fp32 logits within 1e-4 at every step)."""
+    generation gives eager's tokens (fp32 logits within 1e-4 at every step). Quantized: after
+    the kernel's `quantize_experts` (int8, a scale per output channel), against eager on the same
+    weights dequantized."""
     import sys
 
     name, calls = hub_experts
     package = ALL_EXPERTS_FUNCTIONS[name].__module__.rsplit(".", 1)[0]
-    fused = sys.modules[package + ".fused"]
+    kernel_module, fused = sys.modules[package], sys.modules[package + ".fused"]
     config_class, kwargs = FAMILIES["qwen3_moe"]
     kwargs = dict(kwargs, hidden_size=128, moe_intermediate_size=128)
     torch.manual_seed(0)
@@ -310,6 +313,9 @@ def test_decode_steps_run_the_fused_kernel(hub_experts):
                                             experts_implementation=name).eval()
     eager = copy.deepcopy(ours)
     eager.set_experts_implementation("eager")
+    if quantized:
+        assert kernel_module.quantize_experts(ours) == kwargs["num_hidden_layers"]
+        assert _dequantized_into(eager, ours) == kwargs["num_hidden_layers"]
     kernel, traced = fused.fused_experts, []
     fused.fused_experts = lambda x, *a, **k: traced.append(x.shape) or kernel(x, *a, **k)
     try:
@@ -319,7 +325,7 @@ def test_decode_steps_run_the_fused_kernel(hub_experts):
         with torch.no_grad():
             calls.clear()
             got = ours.generate(ids, **options)
-            assert calls, "our experts op must serve the model"
+            assert calls or quantized, "our experts op must serve the model"  # (the quantized op is not counted)
             want = eager.generate(ids, **options)
     finally:
         fused.fused_experts = kernel
