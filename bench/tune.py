@@ -93,10 +93,13 @@ def experts_specs(shape: bench.MoeShape, tokens: int):
 
 
 def grouped_matmuls(shape: bench.MoeShape, tokens: int, generation: str, training: bool):
-    """The distinct grouped-matmul calls of the experts forward (and backward)."""
+    """The distinct grouped-matmul calls of the experts forward (and backward) on the grouped path,
+    which serves every step of experts the fused decode kernel does not take (`ops.fused_decode_applies`)."""
     def forward(hidden, index, weights, up, down):
-        return ops.experts_forward(hidden, index, weights, up, down, transposed=shape.gpt_oss_layout,
-                                   generation=generation, interpret=False)
+        ids = jnp.clip(index, 0, shape.experts)
+        return ops._grouped_experts(hidden, ids, weights, up, down, None, None, None, None, activation="silu",
+                                    gated=True, interleaved=False, transposed=shape.gpt_oss_layout, alpha=0.0,
+                                    limit=0.0, generation=generation, interpret=False)
 
     def loss(*args):
         return jnp.sum(forward(*args).astype(jnp.float32))
