@@ -483,7 +483,8 @@ def experts_forward(
     up_scale=None, down_scale=None, generation=None, interpret=None,
 ):
     """Transformers' experts forward as two grouped matmuls, for every layout
-    transformers uses.
+    transformers uses; a decode step of at most `fused.FUSED_TOKENS` tokens as
+    one kernel where its experts allow (`fused_decode_applies`).
 
     hidden_states [T, H]; top_k_index int32 [T, k] (id E: routed to another
     expert-parallel shard, costs nothing, contributes zero); top_k_weights

@@ -219,3 +219,23 @@ def test_fused_decode_compiles_and_fits_vmem(model, generation, dtype):
     ring = fused.BLOCKS.depth * 3 * fused.BLOCKS.chunk * hidden * itemsize  # the gate, up and down slots
     need = fused.vmem_need(1, hidden, dtype, fused.BLOCKS, bool(scales))  # what the kernel asks its limit for
     assert ring <= used <= need <= GENERATIONS[generation].vmem_bytes, (ring, used, need)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fused_decode_is_modeled_faster_than_the_grouped_path(tokens, monkeypatch):
+    """Why FUSED_TOKENS: Qwen3-30B-A3B's experts layer on tpu7x at one and two tokens (uniform random
+    routing), each program compiled by libtpu and rated by the schedule model: one kernel beats the
+    grouped path's two kernels and the ops around them. MODELED."""
+    import harness
+
+    experts, hidden, inter, top_k = MODELS["Qwen3-30B-A3B"]
+    ids = np.argsort(np.random.default_rng(0).random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    args = (spec(tokens, hidden), jnp.asarray(ids), spec(tokens, top_k), spec(experts, 2 * inter, hidden),
+            spec(experts, hidden, inter))
+    modeled = {}
+    for path, limit in (("fused", fused.FUSED_TOKENS), ("grouped", 0)):
+        monkeypatch.setattr(fused, "FUSED_TOKENS", limit)
+        step = lambda *a: ops.experts_forward(*a, generation="tpu7x", interpret=False)  # traced afresh
+        modeled[path] = harness.measure(step, args, "tpu7x").figures()["modeled_us"]
+    assert modeled["fused"] < modeled["grouped"], modeled
