@@ -1,10 +1,10 @@
 """Fills paged attention's tuning table (`make tune-paged`), MODELED on this CPU machine.
 
 Resumable: it skips the entries bench/results/paged_tuning_<generation>.json
-already holds (`--redo` rates them again; `--redo-before DATE` those rated
-before that day, so a re-rating after a kernel change resumes where it
-stopped). Each entry compiles up to 6 programs: about 3 minutes per entry on
-one core.
+already holds rated by the schedule model as it is now (`pipeline.MODEL_REVISION`;
+`--redo` rates them again, as after a kernel change), so a re-rating resumes
+where it stopped. Each entry compiles up to 6 programs: about 3 minutes per
+entry on one core.
 
 For each generation, head_dim (64, 128, 256), page size (16 to 256) and cache
 dtype (bf16, fp8 e4m3, int8) it rates each kernel's candidates with the
@@ -30,6 +30,7 @@ import time
 
 import harness  # sets up sys.path and the CPU / libtpu environment
 import paged_bench  # noqa: E402
+import pipeline  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -72,7 +73,8 @@ def fits_smem_at_limits(kind: str, blocks: BlockSizes, page_size: int) -> bool:
 
 def tune_entry(head_dim: int, page_size: int, cache_dtype: str, generation: str) -> dict:
     shape = paged_bench.AttentionShape(f"d{head_dim} G{GROUPS}", KV_HEADS * GROUPS, KV_HEADS, head_dim)
-    record = dict(key=[head_dim, page_size, cache_dtype], generation=generation, rated=today())
+    record = dict(key=[head_dim, page_size, cache_dtype], generation=generation, rated=today(),
+                  model_revision=pipeline.MODEL_REVISION)
     for kind, batch in rating_batches(page_size).items():
         rated = {}
         for smaller in (False, True):
@@ -97,14 +99,14 @@ def tune_entry(head_dim: int, page_size: int, cache_dtype: str, generation: str)
 
 
 def today() -> str:
-    """The UTC date an entry is rated on, as `--redo-before` compares it."""
+    """The UTC date an entry is rated on (kept with it, for its reader)."""
     return time.strftime("%Y-%m-%d", time.gmtime())
 
 
-def needs_rating(held: dict | None, redo: bool = False, redo_before: str | None = None) -> bool:
-    """Whether an entry is rated (again): not held yet, `redo`, or rated before `redo_before`
-    (YYYY-MM-DD; an entry with no date was rated before any)."""
-    return held is None or redo or (redo_before is not None and held.get("rated", "") < redo_before)
+def needs_rating(held: dict | None, redo: bool = False) -> bool:
+    """Whether an entry is rated (again): not held yet, `redo`, or rated by an earlier schedule
+    model (records from before revisions were kept are revision 1)."""
+    return held is None or redo or held.get("model_revision", 1) != pipeline.MODEL_REVISION
 
 
 def results_file(generation: str):
@@ -149,8 +151,6 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-dtypes", nargs="*", default=list(tuning.TUNED_CACHE_DTYPES))
     parser.add_argument("--write-table", action="store_true", help="only regenerate tuned_blocks.py")
     parser.add_argument("--redo", action="store_true", help="rate again the entries the results already hold")
-    parser.add_argument("--redo-before", metavar="YYYY-MM-DD",
-                        help="rate again the entries rated before this day (or undated): a re-rating that resumes")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     for generation in [] if args.write_table else args.generations:
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         for dtype in args.cache_dtypes:
             for d in args.head_dims:
                 for page_size in args.page_sizes:
-                    if not needs_rating(records.get((d, page_size, dtype)), args.redo, args.redo_before):
+                    if not needs_rating(records.get((d, page_size, dtype)), args.redo):
                         continue
                     print(f"{generation} d={d} page {page_size} {dtype} ({time.perf_counter() - start:.0f} s)",
                           flush=True)
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
                     except RuntimeError as err:  # kept as a record (not retried); the table leaves it to the rule
                         print(f"  untuned: {err}", flush=True)
                         records.put(dict(key=[d, page_size, dtype], generation=generation, rated=today(),
-                                         error=str(err)))
+                                         model_revision=pipeline.MODEL_REVISION, error=str(err)))
     write_table()
     print(f"wrote {TABLE}: MODELED choices, not TPU measurements")
     return 0

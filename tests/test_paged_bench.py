@@ -168,13 +168,15 @@ def test_goals_name_each_decode_row_an_8bit_cache_misses():
 
 
 def test_a_re_rating_resumes_where_it_stopped():
-    """`paged_tune.py --redo-before DAY` rates again only entries rated before DAY (or undated):
-    a re-rating stopped midway and restarted the same way skips what it already redid."""
+    """`paged_tune.py` rates again the entries an earlier schedule model rated (those from before
+    revisions were kept count as revision 1), and skips those the current one did: a re-rating
+    stopped midway resumes where it stopped. `--redo` rates every entry again."""
     import paged_tune
+    import pipeline
 
+    now = {"rated": "2026-12-01", "model_revision": pipeline.MODEL_REVISION}
     assert paged_tune.needs_rating(None)
-    assert not paged_tune.needs_rating({"rated": "2026-12-01"})
-    assert paged_tune.needs_rating({"rated": "2026-12-01"}, redo=True)
-    assert paged_tune.needs_rating({"rated": "2026-12-01"}, redo_before="2026-12-07")
-    assert paged_tune.needs_rating({}, redo_before="2026-12-07")  # rated before dates were kept
-    assert not paged_tune.needs_rating({"rated": paged_tune.today()}, redo_before=paged_tune.today())
+    assert not paged_tune.needs_rating(now)
+    assert paged_tune.needs_rating(now, redo=True)
+    assert paged_tune.needs_rating({**now, "model_revision": pipeline.MODEL_REVISION - 1})
+    assert paged_tune.needs_rating({"rated": "2026-12-07"})  # kept before revisions were
