@@ -145,9 +145,11 @@ def quantized(weights):
     return jnp.asarray(np.round(w / scale[..., None]), jnp.int8), jnp.asarray(scale, jnp.float32)
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_int8_experts_match_float64(tokens, dtype):
+# Sampled (tests/sampling.py): bf16 tokens at one token, fp32 at two.
+@pytest.mark.parametrize("dtype,tokens", sampling.sample(
+    [(jnp.bfloat16, 1), (jnp.bfloat16, 2), (jnp.float32, 1), (jnp.float32, 2)],
+    {(jnp.bfloat16, 1), (jnp.float32, 2)}), ids=lambda c: str(c) if isinstance(c, int) else jnp.dtype(c).name)
+def test_int8_experts_match_float64(dtype, tokens):
     """int8 experts with a scale per output channel (what `quantize_experts` holds), bf16 or fp32
     tokens: against float64 on the dequantized weights, within the bounds of the test above (the
     int8 codes are exact in the product; the scales multiply its fp32 sums). A scale taken from the
