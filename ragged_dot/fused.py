@@ -12,7 +12,8 @@ are computed and dropped (`routed`): at decode the MXU's time goes to loading
 the weights, not to the rows, and no row is sorted or gathered. The down
 projection sums each expert's chunks in float32, rounds the expert's output
 to the weights' dtype once (as the grouped path rounds the down projection's
-output) and adds it times the token's weight.
+output) and adds it times the token's weight. Experts in bf16 or fp32, or
+int8 with a scale per output channel; which steps take it: `ops.fused_decode_applies`.
 """
 
 from __future__ import annotations
