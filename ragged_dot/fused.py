@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ._shared.tuning import round_up
 from .tuning import max_buffers, vmem_limit
 
 ROW_TILE = 16  # tokens are padded to a multiple of this (a bf16 vreg's sublanes)
@@ -49,7 +50,7 @@ def vmem_need(tokens: int, hidden: int, weight_dtype, blocks: FusedBlocks = BLOC
     """The kernel's VMEM bytes: the ring's gate, up and down slots, the tokens' rows (taken as fp32:
     at most) and weights, double-buffered, the output and the expert's float32 sum; and int8
     weights' scales, double-buffered."""
-    padded = -(-tokens // ROW_TILE) * ROW_TILE
+    padded = round_up(tokens, ROW_TILE)
     itemsize = jnp.dtype(weight_dtype).itemsize
     ring = blocks.depth * 3 * blocks.chunk * hidden * itemsize
     rows = 2 * padded * hidden * 4 + 4 * padded * 128 * 4
@@ -220,7 +221,7 @@ def experts_forward_fused(hidden_states, top_k_index, top_k_weights, gate_up_pro
     """experts_forward's output, float32 [T, H], from `fused_experts`: the tokens padded to ROW_TILE
     rows, their routing per live expert (`routed_experts`)."""
     tokens = hidden_states.shape[0]
-    padded = -(-tokens // ROW_TILE) * ROW_TILE
+    padded = round_up(tokens, ROW_TILE)
     live, num_live, weight, routed = routed_experts(top_k_index, top_k_weights, gate_up_proj.shape[0], padded)
     x = jnp.pad(hidden_states, ((0, padded - tokens), (0, 0)))
     out = fused_experts(x, live, num_live, weight, routed, gate_up_proj, down_proj, up_scale, down_scale,
