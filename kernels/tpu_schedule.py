@@ -20,7 +20,12 @@ The format, as libtpu 0.0.52 prints it:
   backward branch closes a loop; a forward one skips a predicated region
   (a `pl.when` body, or the pipeline's compute stage).
 - A static loop's trip count is the immediate of its `loop exit test`
-  compare; a loop whose bound is a register (a dynamic grid) has none.
+  compare. A loop whose back branch tests a register is counted where the
+  registers it compares follow from constants and the op's addresses: an
+  induction stepped by a constant against a bound at a constant offset from
+  its start (XLA's copy and scatter loops walk a buffer's address so),
+  `_RegisterLoops`. A bound read at run time (a dynamic grid, a loop over
+  data) leaves it uncounted.
 - XLA's own ragged dot (`jax.lax.ragged_dot`) is one loop over a flattened
   (row tile, group, column tile...) space whose index jumps past the pairs
   of a row tile and a group that share no row: its back branch compares the
@@ -93,11 +98,201 @@ class Bundle:
         return total, unknown
 
 
+_CUSTOM_CALL = re.compile(r"entry bundle: %[\w.-]+ = custom-call\(")
+_COMMENT = re.compile(r"/\*.*?\*/", re.S)
+_DEFINITION = re.compile(r"^%(\w+) = ([a-z][\w.]*)\s*(.*)$", re.S)
+_GUARD = re.compile(r"^\((!?%\w+)\),\s*")  # a predicated instruction's predicate
+_SELECT = re.compile(r"^\((!?%\w+), (%\w+)\),\s*(\S+)$")  # `smov (p, %old), new`: p ? new : old
+_SMEM_SLOT = re.compile(r"^\[smem:\[(#allocation\d+(?: \+ \$0x[0-9a-f]+)?)\]\]\s*(\S*)$")
+_TRIP_LIMIT = 1 << 24
+_COMPARE = {"lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
+            "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b}
+_ARITHMETIC = {"sshll.u32": lambda a, b: a << b, "sshra.s32": lambda a, b: a >> b,
+               "sshrl.u32": lambda a, b: (a & 0xFFFFFFFF) >> b, "sand.u32": lambda a, b: a & b,
+               "smul.u32": lambda a, b: a * b, "smul.s32": lambda a, b: a * b}
+
+
+def _immediate(text: str) -> int | None:
+    """A decimal immediate as a signed 32-bit value, or None."""
+    if not re.fullmatch(r"-?\d+", text):
+        return None
+    value = int(text) & 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+class _RegisterLoops:
+    """Trip counts of loops whose back branch tests a register, where that test compares an
+    induction stepped by a constant (`sphi` of a start and the induction plus a constant) with a
+    bound at a known offset from the same base.
+
+    A scalar's value is (base, offset): base None for a constant, else an operand's or an
+    allocation's address or a loop's induction. Constants propagate through moves, selects whose
+    predicate is known, adds, shifts and compares; a predicated instruction is read as if it runs
+    (it does on the path into the loop that uses it); an SMEM slot reads the first value stored to
+    it (XLA keeps a loop's counter there, and the loops read so run inside a first trip). A value
+    loaded from data, or anything else, is unknown (None), and so is the count of a loop it bounds.
+    """
+
+    def __init__(self, bundles: list[Bundle]):
+        self.definitions = {}  # register -> (address, opcode, operands)
+        self.stored = {}  # SMEM slot -> the register first stored to it
+        for b in bundles:
+            text = _COMMENT.sub("", b.text)
+            for instruction in text[text.find("{") + 1:text.rfind("}")].split(";;"):
+                match = _DEFINITION.match(instruction.strip())
+                if not match:
+                    continue
+                register, opcode, args = match.group(1), match.group(2), match.group(3).strip()
+                self.definitions[register] = (b.address, opcode, args)
+                slot = _SMEM_SLOT.match(_GUARD.sub("", args))
+                if opcode == "sst" and slot:
+                    self.stored.setdefault(slot.group(1), slot.group(2))
+        self.exits = {}  # an induction of a counted loop -> its value in the loop's last trip
+        self.counted = []  # (start, end) of each loop counted
+        self.skipped = []  # (start, end) of code a forward branch known to be taken skips
+        self.heads = {b.address for b in bundles if b.marker == "LB"}
+
+    def value(self, operand: str, inductions: dict, depth: int = 0):
+        if (constant := _immediate(operand)) is not None:
+            return None, constant
+        if (allocation := re.fullmatch(r"\[(#allocation\d+)\]", operand)) is not None:
+            return allocation.group(1), 0
+        negated = operand.startswith("!")
+        register = operand.lstrip("!")[1:]
+        if not operand.lstrip("!").startswith("%") or depth > 64:
+            return None
+        if register in inductions:
+            return inductions[register]
+        if register in self.exits:
+            return self.exits[register]
+        if register not in self.definitions:
+            return None
+        _, opcode, args = self.definitions[register]
+        evaluate = lambda x: self.value(x, inductions, depth + 1)
+        if negated:  # a predicate's complement
+            known = evaluate(operand[1:])
+            return None if known is None or known[0] is not None else (None, int(not known[1]))
+        if opcode.startswith("inlined_call_operand"):
+            return register, 0
+        if opcode == "sphi" and self.definitions[register][0] not in self.heads:
+            # Where paths join after a loop that was counted (so it ran): the value from inside it.
+            inside = [x for x in (a.strip() for a in args.split(",")) if x[1:] in self.definitions and any(
+                start <= self.definitions[x[1:]][0] < end for start, end in self.counted)]
+            return evaluate(inside[0]) if len(inside) == 1 else None
+        if opcode == "smov.u32" and (select := _SELECT.match(args)):
+            predicate = evaluate(select.group(1))
+            if predicate is None or predicate[0] is not None:
+                return None
+            return evaluate(select.group(3) if predicate[1] else select.group(2))
+        parts = [a.strip() for a in _GUARD.sub("", args).split(",")]
+        if opcode in ("smov.u32", "pmov") and len(parts) == 1:
+            return evaluate(parts[0])
+        if opcode == "sld" and (slot := _SMEM_SLOT.match(parts[0])) and slot.group(1) in self.stored:
+            return evaluate(self.stored[slot.group(1)])
+        if len(parts) != 2:
+            return None
+        a, b = (evaluate(x) for x in parts)
+        if a is None or b is None:
+            return None
+        if opcode.startswith(("scalar_lea", "sadd.s32")):
+            if a[0] is not None and b[0] is not None:
+                return None
+            return a[0] if a[0] is not None else b[0], a[1] + b[1]
+        if opcode == "ssub.s32":
+            if b[0] is None:
+                return a[0], a[1] - b[1]
+            return (None, a[1] - b[1]) if a[0] == b[0] else None
+        if (compare := re.fullmatch(r"scmp\.(\w+)\.[su]32(?:\.totalorder)?", opcode)) and a[0] == b[0] \
+                and compare.group(1) in _COMPARE:
+            return None, int(_COMPARE[compare.group(1)](a[1], b[1]))
+        if opcode in _ARITHMETIC and a[0] is None and b[0] is None:
+            return None, _immediate(str(_ARITHMETIC[opcode](a[1], b[1]) & 0xFFFFFFFF))
+        return None
+
+    def taken(self, branch: str) -> bool | None:
+        """Whether the branch (its text) is taken, where its predicate is known."""
+        match = re.search(r"sbr\.rel\s*\((!?)%(\w+)\)", _COMMENT.sub("", branch))
+        known = None if match is None else self.value(f"%{match.group(2)}", {})
+        if known is None or known[0] is not None:
+            return None
+        return bool(known[1]) != (match.group(1) == "!")
+
+    def branch_forward(self, branch: str, address: int, target: int) -> None:
+        if self.taken(branch):
+            self.skipped.append((address, target))
+
+    def trips(self, branch: str, start: int, end: int) -> int | None:
+        """The trips of the loop [start, end) closed by `branch` (its back branch's text), or None;
+        a counted loop's inductions' last values are kept for the loops after it."""
+        match = re.search(r"sbr\.rel\s*\((!?)%(\w+)\)", _COMMENT.sub("", branch))
+        if match is None or match.group(2) not in self.definitions:
+            return None
+        negated = match.group(1) == "!"
+        _, opcode, args = self.definitions[match.group(2)]
+        # A loop that a taken branch skips never runs: its bundles are counted once, a few cycles over.
+        # A back branch never taken closes a loop of one trip.
+        if any(a < start and end <= b for a, b in self.skipped) or self.taken(branch) is False:
+            self.counted.append((start, end))
+            return 1
+        compare = re.fullmatch(r"scmp\.(\w+)\.[su]32(?:\.totalorder)?", opcode)
+        if compare is None or compare.group(1) not in _COMPARE:
+            return None
+        phis = {r: [a.strip() for a in args.split(",")] for r, (address, op, args) in self.definitions.items()
+                if op == "sphi" and start <= address < end}
+        inductions = {r: (("induction", r), 0) for r in phis}
+        steps, starts = {}, {}
+        for r, (first, following) in phis.items():
+            after = self.value(following, inductions)
+            initial = self.value(first, {})
+            if after is not None and after[0] == ("induction", r) and after[1] != 0 and initial is not None:
+                steps[r], starts[r] = after[1], initial
+        lhs, rhs = (self.value(x.strip(), inductions) for x in _GUARD.sub("", args).split(","))
+        if lhs is None or rhs is None:
+            return None
+        varying = [v for v in (lhs, rhs) if isinstance(v[0], tuple)]
+        if len(varying) != 1 or varying[0][0][1] not in steps:
+            return None
+        induction = varying[0][0][1]
+        base, offset = starts[induction]
+        bound = rhs if varying[0] is lhs else lhs
+        if bound[0] != base:  # the bound must sit at a known distance from the start
+            return None
+        step = steps[induction]
+
+        def continues(k: int) -> bool:  # whether trip k (from 0) branches back
+            at = offset + k * step + varying[0][1]
+            a, b = (at, bound[1]) if varying[0] is lhs else (bound[1], at)
+            return _COMPARE[compare.group(1)](a, b) != negated
+
+        if not continues(0):
+            count = 1
+        elif compare.group(1) in ("eq", "ne"):  # the induction meets the bound at most once
+            distance = bound[1] - offset - varying[0][1]
+            if continues(1):  # it branches back until it meets the bound
+                if distance % step or distance // step < 0:
+                    return None
+                count = distance // step + 1
+            else:  # it branched back on meeting it, once
+                count = 2
+        elif continues(_TRIP_LIMIT):
+            return None
+        else:  # the first trip that does not branch back (an order compare: monotone in k)
+            low, high = 0, _TRIP_LIMIT
+            while low < high:
+                mid = (low + high) // 2
+                low, high = (mid + 1, high) if continues(mid) else (low, mid)
+            count = low + 1
+        for r in steps:
+            self.exits[r] = (starts[r][0], starts[r][1] + (count - 1) * steps[r])
+        self.counted.append((start, end))
+        return count
+
+
 @dataclasses.dataclass
 class Loop:
     start: int  # address of its first bundle
     end: int  # one past its last (the back branch's delay slots included)
-    trip_count: int | None  # None: the bound is a register
+    trip_count: int | None  # None: known only at run time
 
 
 @dataclasses.dataclass
@@ -293,12 +488,19 @@ def read_schedule(text: str) -> Schedule:
             region_start.setdefault(int(region), b.address)
 
     loops, forward = [], []
+    # XLA's ops' loops bounded by registers are counted where their bounds follow from constants;
+    # a Pallas kernel (a custom call) keeps its such loops uncounted: they are profiled per grid step.
+    registers = None if _CUSTOM_CALL.search(bundles[0].text) else _RegisterLoops(bundles)
     for i, b in enumerate(bundles):
         match = _BRANCH.search(b.text)
         if not match:
             continue
         target = region_start.get(int(match.group(1)))
         if target is None:  # XLA's own ops sometimes branch to a region with no start marker: not countable
+            if registers:  # (but a known-taken one skips to the next fall-through at its depth)
+                landing = next((x.address for x in bundles[i + 1:] if x.marker == "PF" and x.depth == b.depth), None)
+                if landing is not None:
+                    registers.branch_forward(b.text, b.address, landing)
             continue
         after = bundles[min(i + BRANCH_DELAY_SLOTS, len(bundles) - 1)].address + 1
         if target <= b.address:
@@ -306,9 +508,13 @@ def read_schedule(text: str) -> Schedule:
             depth = bundles[index[target]].depth
             exit_test = next((m for j in range(i, index[target] - 1, -1) if bundles[j].depth == depth
                               for m in _EXIT_TEST.findall(bundles[j].text)), None)
-            loops.append(Loop(target, after, int(exit_test) if exit_test is not None else None))
+            trips = (int(exit_test) if exit_test is not None
+                     else registers.trips(b.text, target, after) if registers else None)
+            loops.append(Loop(target, after, trips))
         else:
             forward.append((after, target))
+            if registers:
+                registers.branch_forward(b.text, b.address, target)
 
     # The grid loop is the outermost: the one no other loop contains.
     outermost = [l for l in loops if not any(o is not l and o.start <= l.start and l.end <= o.end for o in loops)]

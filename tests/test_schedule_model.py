@@ -91,6 +91,84 @@ def test_xla_op_traffic_falls_back_to_its_operands():
         max(s.total_cycles / gen.clock_hz, 512 * 256 * 2 / pipeline.copy_bytes_per_s("v6e")))
 
 
+# An XLA op's loops in libtpu's format, their bounds in registers: a copy walking a VMEM buffer's
+# address 64 rows a trip while the next address is within 4024 rows of its start (63 trips), then
+# 8 rows a trip from where it stopped to row 4088 (8 trips); then a loop bounded by a value loaded
+# at run time, behind a branch taken because a counter stored as 0 in SMEM reads 0 (it never runs).
+XLA_LOOPS_SCHEDULE = """\
+     0   :  { %s0 = inlined_call_operand.vmem [shape: f32[256,2048], index: 0, kind: input, shape index: {}]  ;;  %s1 = inlined_call_operand.vmem [shape: f32[256,2048], index: 1, kind: output, shape index: {}]  ;;  %s20 = smov.u32 0 /* materialized constant */ } /* entry bundle: %copy_fusion = fusion(%a) */
+   0x1   :  { %s2 = scalar_lea.vmem %s0, 4088  ;;  %s3 = smov.u32 %s0 /* copy for cssa */  ;;  %4 = sst [smem:[#allocation1]] %s20 }
+   0x2   :  { %s4 = sadd.s32 4294967232, %s2 }
+   0x3 LB: > { %v1 = vld [vmem:[%s5] sm:$0xff]  ;;  %s6 = scalar_lea.vmem %s5, 64  ;;  %s5 = sphi %s3, %s7 /* phi copy */ } /* Start region 3 */
+   0x4   : > { %p1 = scmp.gt.s32.totalorder %s6, %s4  ;;  %s7 = smov.u32 %s6 }
+   0x5   : > { %2 = sbr.rel (!%p1) target = $region3 }
+   0x6   : > { }
+   0x7   : > { }
+   0x8   : > { }
+   0x9   : > { }
+   0xa   :  { %s8 = smov.u32 %s6 }
+   0xb LB: > { %v2 = vld [vmem:[%s9] sm:$0xff]  ;;  %s11 = scalar_lea.vmem %s9, 8  ;;  %s9 = sphi %s8, %s11 } /* Start region 4 */
+   0xc   : > { %p2 = scmp.gt.s32.totalorder %s11, %s2 }
+   0xd   : > { %3 = sbr.rel (!%p2) target = $region4 }
+   0xe   : > { }
+   0xf   : > { }
+  0x10   : > { }
+  0x11   : > { }
+  0x12   :  { %s21 = sld [smem:[#allocation1]] }
+  0x13   :  { %p5 = scmp.ge.s32.totalorder %s21, 0 }
+  0x14   :  { %5 = sbr.rel (%p5) target = $region9 }
+  0x15   :  { }
+  0x16   :  { }
+  0x17   :  { }
+  0x18   :  { %s22 = sld [smem:[#allocation2]]  ;;  %s24 = smov.u32 0 }
+  0x19 LB: > { %s23 = sphi %s24, %s25  ;;  %s25 = sadd.s32 1, %s23 } /* Start region 8 */
+  0x1a   : > { %p6 = scmp.lt.s32.totalorder %s25, %s22 }
+  0x1b   : > { %6 = sbr.rel (%p6) target = $region8 }
+  0x1c   : > { }
+  0x1d   : > { }
+  0x1e   : > { }
+  0x1f   : > { }
+  0x20 PF:  { } /* Start/End empty region 9 */
+  0x21   :  { }
+"""
+
+
+def test_xla_loops_bounded_by_registers_are_counted():
+    """A loop's trips where its bound follows from constants and the op's addresses (the second
+    copy starts where the first stopped); a loop behind a taken branch counted once (it never runs);
+    a Pallas kernel's (a custom call's) such loops stay uncounted (they are profiled per step)."""
+    s = tpu_schedule.read_schedule(XLA_LOOPS_SCHEDULE)
+    loops = sorted([s.grid_loop] + [c for c in s.program_controls if c.kind == "loop" and c.start != s.grid_loop.start],
+                   key=lambda loop: loop.start)
+    assert [(loop.start, loop.end) for loop in loops] == [(0x3, 0xa), (0xb, 0x12), (0x19, 0x20)]
+    assert s.grid_loop.trip_count == 63 and s.dynamic_inner_loops == 0
+    assert s.total_cycles == 3 + 63 * 7 + 1 + 8 * 7 + 7 + 7 + 2
+    kernel = tpu_schedule.read_schedule(XLA_LOOPS_SCHEDULE.replace("%copy_fusion = fusion(%a)", "%k = custom-call(%a)"))
+    assert kernel.grid_loop.trip_count is None and kernel.dynamic_inner_loops == 2
+
+
+def test_xla_scatter_copies_its_buffer_every_call():
+    """XLA's scatter-add into a buffer in VMEM (the eager experts loop's `index_add_`) copies the
+    buffer in loops bounded by registers: counted, twice the rows cost their copy's bundles again
+    (a bundle stores at most two vregs in these loops: 512 more f32 vregs take 256 more bundles)."""
+    def program(rows):
+        rng = np.random.default_rng(0)
+        tokens = [np.sort(rng.choice(rows, 16, replace=False)).astype(np.int32) for _ in range(2)]
+
+        def layer(x, w):
+            out = jnp.zeros((rows, 2048), jnp.float32)
+            for e, token in enumerate(tokens):
+                out = out.at[token].add(jnp.dot(x[token], w[e], preferred_element_type=jnp.float32))
+            return out.astype(x.dtype)
+
+        report = tpu_compile.compile_for(layer, [((rows, 2048), jnp.bfloat16), ((2, 2048, 2048), jnp.bfloat16)],
+                                         "v6e", "")
+        for op, sched in report.schedules.items():
+            assert sched.dynamic_inner_loops == 0 and (sched.grid_loop is None or sched.grid_loop.trip_count), op
+        return sum(sched.total_cycles for op, sched in report.schedules.items() if "scatter" in op)
+
+    assert program(512) - program(256) >= 256
+
 def test_pipeline_sum_matches_a_hand_count():
     """Three steps at 1 byte/s, no latency: fetch(0) = 2, then
     max(5, fetch(1) 3) + max(1, fetch(2) 4 + write(0) 6) + max(2, write(1) 0),
