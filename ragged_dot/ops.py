@@ -466,10 +466,13 @@ CLAMPED_SWIGLU = "clamped_swiglu"
 
 
 def apply_gate(h, *, activation, gated, interleaved, alpha, limit):
-    """The expert's nonlinearity on the up projection h (fp32)."""
+    """The expert's nonlinearity on the up projection h, in fp32. h is split before it is widened:
+    XLA then fuses the widening, the gate and the product into one pass over h, where a widened h
+    is written to HBM and read back (the gate reads two slices of it)."""
     if not gated:
-        return ACTIVATIONS[activation](h)
+        return ACTIVATIONS[activation](h.astype(jnp.float32))
     gate, up = (h[:, ::2], h[:, 1::2]) if interleaved else jnp.split(h, 2, axis=-1)
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     if activation == CLAMPED_SWIGLU:
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
@@ -614,7 +617,7 @@ def _grouped_experts(hidden_states, ids, top_k_weights, up_proj, down_proj, up_b
         weights, transpose_rhs = as_stored(weights, not transposed)
         return _ragged_dot(inputs, weights, group_sizes, bias, None, scale, transpose_rhs, generation, interpret)
 
-    h = project(x, up_proj, up_bias, up_scale).astype(jnp.float32)
+    h = project(x, up_proj, up_bias, up_scale)
     act = apply_gate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
     # down_proj may be zero-padded (DOWN_PAD): the activations to its intermediate, its bias to its hidden.
     down_held = weight_shape(down_proj.shape, down_proj.dtype, not transposed)

@@ -245,6 +245,21 @@ def test_gemma4_weights_are_not_copied():
     assert len(weight_sized) == 1, report.other_ops[reader].operand_shapes
 
 
+def test_the_gate_reads_the_up_projection_once():
+    """Between the two projections at a decode batch (Qwen3-30B-A3B's experts, 256 tokens, tpu7x): the
+    gate, its product and the rounding to bf16 are one XLA op reading the up projection's [rows, 2I]
+    output as the kernel wrote it (bf16); no op writes a float32 copy of it to read back."""
+    shape = dict(hidden=2048, intermediate=768, experts=128, top_k=8)
+    specs = _experts_specs(256, **shape)
+    forward = lambda *args: ops.experts_forward(*args, generation="tpu7x", interpret=False)
+    report = tpu_compile.compile_for(forward, specs, "tpu7x", "ragged_dot_tpu")
+    up_output = f"[{256 * 8},{2 * shape['intermediate']}]"
+    readers = {op: s.operand_shapes for op, s in report.other_ops.items()
+               if any(o.endswith(up_output) for o in s.operand_shapes)}
+    assert len(readers) == 1, readers
+    (operands,) = readers.values()
+    assert f"bf16{up_output}" in operands and f"f32{up_output}" not in operands, operands
+
 def test_gemma4_training_step_copies_no_weight():
     """The training step at Gemma 4's shapes on v6e, with down_proj held experts-major (as a JAX
     user can hold it: `Format(Layout((0, 1, 2)))`, and its gradient asked in that layout too;
