@@ -390,37 +390,67 @@ def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: p
         ht_ref[...] = h0_ref[...]
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, gb_ref, h0_ref, o_ref, ht_ref, *, scale: float, l2norm: bool):
+def _decode_kernel(q_ref, k_ref, v_ref, gb_ref, h0_ref, o_ref, ht_ref, *rings, scale: float, l2norm: bool, ring: int):
     """A token of each of a block of sequences (`_token_step`), each from its state's block to the
-    new state's."""
+    new state's. With a `ring` of slots (`rings`: the slots and their semaphores), h0_ref is the
+    states in HBM and the kernel copies each step's block itself, `ring` - 1 steps ahead: the first
+    step starts the first ring - 1 copies; each step waits for its own and starts the one ring - 1
+    ahead, into the slot the previous step (done) read."""
+    if ring:
+        slots, sems = rings
+        step, steps, seqs = pl.program_id(0), pl.num_programs(0), slots.shape[1]
+
+        def copy(c):
+            return pltpu.make_async_copy(h0_ref.at[pl.ds(c * seqs, seqs)], slots.at[c % ring], sems.at[c % ring])
+
+        for first in range(ring - 1):
+            @pl.when(jnp.logical_and(step == 0, first < steps))
+            def _():
+                copy(first).start()
+
+        copy(step).wait()
+
+        @pl.when(step + ring - 1 < steps)
+        def _():
+            copy(step + ring - 1).start()
+
+        h0_ref = slots.at[step % ring]
     for s in range(q_ref.shape[0]):
         _token_step(q_ref[s], k_ref[s], v_ref[s], gb_ref[s], h0_ref.at[s], ht_ref.at[s], o_ref.at[s], scale=scale,
                     l2norm=l2norm)
 
 
-@functools.partial(jax.jit, static_argnames=("seqs_per_step", "scale", "l2norm", "out_dtype", "in_place", "interpret"))
+@functools.partial(jax.jit, static_argnames=("seqs_per_step", "scale", "l2norm", "out_dtype", "in_place", "ring",
+                                             "interpret"))
 def decode_forward(q, k, v, gb, h0, *, seqs_per_step: int, scale: float, l2norm: bool, out_dtype, in_place: bool,
-                   interpret: bool):
+                   ring: int = 0, interpret: bool = False):
     """A decode step: a token of each of B sequences, q, k [B, Hk, dk], v [B, H, dv], gb [B, H, 2]
     fp32 (g, beta), h0 [B, H, dk, dv] fp32. A grid step takes `seqs_per_step` sequences (a divisor
-    of B), whose states' blocks are consecutive: fewer, larger copies of the same bytes. Returns
-    o [B, H, dv] (out_dtype) and the new states: with `in_place`, in h0's buffer (updated in place
-    when h0 is donated; else XLA copies h0 there first), otherwise in a new buffer (every state is
-    written, so nothing needs h0's values there)."""
+    of B), whose states' blocks are consecutive: fewer, larger copies of the same bytes. The states
+    arrive through Pallas's pipeline (one copy in flight), or with `ring` > 2 through a ring of that
+    many slots the kernel fills itself (ring - 1 copies in flight: a copy's latency overlaps the
+    copies before it; the steps run in order on one core). Returns o [B, H, dv] (out_dtype) and the
+    new states: with `in_place`, in h0's buffer (updated in place when h0 is donated; else XLA
+    copies h0 there first; a step writes its sequences' states after every read of them), otherwise
+    in a new buffer (every state is written, so nothing needs h0's values there)."""
     batch = q.shape[0]
     heads, dk, dv = h0.shape[1:]
     block = lambda x: pl.BlockSpec((seqs_per_step, *x.shape[1:]), lambda b: (b,) + (0,) * (x.ndim - 1))
     state_bytes = seqs_per_step * heads * dk * dv * 4
-    kernel = functools.partial(_decode_kernel, scale=scale, l2norm=l2norm)
+    ring = ring if ring > 2 else 0
+    kernel = functools.partial(_decode_kernel, scale=scale, l2norm=l2norm, ring=ring)
     return pl.pallas_call(
         kernel,
         grid=(batch // seqs_per_step,),
-        in_specs=[block(q), block(k), block(v), block(gb), block(h0)],
+        in_specs=[block(q), block(k), block(v), block(gb),
+                  pl.BlockSpec(memory_space=pl.ANY) if ring else block(h0)],
         out_specs=[block(v), block(h0)],
         out_shape=[jax.ShapeDtypeStruct(v.shape, out_dtype), jax.ShapeDtypeStruct(h0.shape, F32)],
-        # The states' blocks, in and out, double-buffered, and room for the rest.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                             vmem_limit_bytes=4 * state_bytes + (16 << 20)),
+        scratch_shapes=[pltpu.VMEM((ring, seqs_per_step, heads, dk, dv), F32), pltpu.SemaphoreType.DMA((ring,))]
+        if ring else [],
+        # The states' blocks, in (double-buffered, or the ring) and out (double-buffered), and room for the rest.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary" if ring else "parallel",),
+                                             vmem_limit_bytes=(max(ring, 2) + 2) * state_bytes + (16 << 20)),
         input_output_aliases={4: 1} if in_place else {},
         interpret=interpret,
         name="gated_delta_rule_decode",

@@ -33,6 +33,8 @@ CHUNK = 64  # tokens per chunk: fla's and transformers' reference's
 # interleave more chains, but the backward's VMEM grows with them.
 HEADS_PER_STEP = 32
 SEQS_PER_STEP = 4  # sequences a decode grid step takes, when the batch allows (see kernel.decode_forward)
+DECODE_RING = 3  # slots of the decode kernel's ring of states on a chip of one core: two copies in flight
+HEAD_SPLITS = 4  # grid steps a decode step of one sequence takes, a quarter of its heads each
 
 
 def _shape_error(name: str, got, want: str):
@@ -204,10 +206,23 @@ def _heads_per_step(asked: int | None, heads: int, group: int, generation: str |
 
 
 def _seqs_per_step(batch: int) -> int:
-    """Sequences a decode grid step takes: the largest divisor of the batch up to SEQS_PER_STEP. (A
-    batch of one is not split by heads: modeled, four steps of a quarter of the heads take longer
-    than one, each copy's latency more than what their overlap saves.)"""
+    """Sequences a decode grid step takes: the largest divisor of the batch up to SEQS_PER_STEP."""
     return max(n for n in range(1, min(batch, SEQS_PER_STEP) + 1) if batch % n == 0)
+
+
+def _decode_plan(batch: int, shared_heads: int, generation: str | None = None) -> tuple[int, int, int]:
+    """(head splits, sequences per grid step, ring) of a decode step. On a chip of one core the
+    states come through a ring of DECODE_RING slots that the kernel fills itself, so that a copy's
+    latency overlaps the copies before it (Pallas's pipeline keeps one in flight and waits out each
+    one's latency: on tpu7x, a few megabytes' copies wait longer than they take); and one sequence
+    goes as HEAD_SPLITS sequences of a quarter of its heads each (their recurrences are independent;
+    value head h reads q/k head h // group, so a quarter of each stays together), so that its copies
+    overlap too. A megacore (v5p) splits the sequences over its two cores through Pallas's pipeline."""
+    if GENERATIONS[generation or current_generation().name].cores_per_device > 1:
+        return 1, _seqs_per_step(batch), 0
+    splits = HEAD_SPLITS if batch == 1 and shared_heads % HEAD_SPLITS == 0 else 1
+    seqs = 1 if splits > 1 else _seqs_per_step(batch)
+    return splits, seqs, DECODE_RING if batch * splits > seqs else 0
 
 
 def token_layout(cu_seqlens, tokens: int, seqs: int):
@@ -235,10 +250,12 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     flat = lambda x: jnp.asarray(x).reshape(total, *x.shape[2:])
     gb = jnp.stack([flat(jnp.asarray(g, jnp.float32)), flat(jnp.asarray(beta, jnp.float32))], axis=-1)
     if cu_seqlens is None and tokens == 1:  # a decode step: a token per sequence, several sequences a grid step
-        o, final = decode_forward(flat(q), flat(k), flat(v), gb, h0, seqs_per_step=_seqs_per_step(batch), scale=scale,
-                                  l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype,
-                                  in_place=bool(state_in_place), interpret=interpret)
-        return o.reshape(batch, tokens, hv, dv), (final if output_final_state else None)
+        splits, seqs_per_step, ring = _decode_plan(batch, q.shape[2])
+        split = lambda x: x.reshape(batch * splits, x.shape[1] // splits, *x.shape[2:])  # heads as sequences
+        o, final = decode_forward(split(flat(q)), split(flat(k)), split(flat(v)), split(gb), split(h0),
+                                  seqs_per_step=seqs_per_step, scale=scale, l2norm=bool(use_qk_l2norm_in_kernel),
+                                  out_dtype=out_dtype, in_place=bool(state_in_place), ring=ring, interpret=interpret)
+        return o.reshape(batch, tokens, hv, dv), (final.reshape(h0.shape) if output_final_state else None)
     # The states come back in h0's buffer, NaN where the offsets are not valid: no pass over them here.
     o, final = recurrent_forward(seq, first, last, flags, flat(q), flat(k), flat(v), gb, h0, num_seqs=seqs,
                                  scale=scale, l2norm=bool(use_qk_l2norm_in_kernel), out_dtype=out_dtype,

@@ -18,7 +18,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 
 import tpu_compile
-from gated_delta_rule import ops
+from gated_delta_rule import kernel, ops
 from runtime.generations import GENERATIONS
 import sampling  # noqa: E402
 
@@ -342,11 +342,12 @@ def test_compiles_for_tpu(case):
 
 
 @pytest.mark.parametrize("batch,tokens,hk,hv,dtype", [(3, 1, 1, 2, np.float32), (2, 5, 2, 2, np.float32),
-                                                      (3, 1, 2, 4, jnp.bfloat16)])
+                                                      (3, 1, 2, 4, jnp.bfloat16), (1, 1, 4, 8, np.float32)])
 def test_recurrent_steps_match_the_reference(batch, tokens, hk, hv, dtype):
     """Decode steps token by token (fused_recurrent_gated_delta_rule): one token per sequence as in
-    a decode step, and a few, against transformers' recurrent reference with initial states; bf16
-    inputs give the fp32 result rounded once (the state stays fp32)."""
+    a decode step (one sequence: split by heads), and a few, against transformers' recurrent
+    reference with initial states; bf16 inputs give the fp32 result rounded once (the state stays
+    fp32)."""
     q, k, v, g, beta, states = _inputs(batch, tokens, hk, hv, 32, 16, seed=6)
     cast = (lambda x: jnp.asarray(x, dtype))
     o, final = ops.fused_recurrent_gated_delta_rule(*(cast(x) for x in (q, k, v)), g, cast(beta), initial_state=states,
@@ -386,6 +387,33 @@ def test_decode_steps_take_blocks_of_sequences(batch, hk, hv, dtype, seqs_per_st
     assert _error(o, want_o) <= (BF16_TOLERANCE if dtype == jnp.bfloat16 else FP32_TOLERANCE)
     assert _error(final, want_state) <= FP32_TOLERANCE
 
+
+
+@pytest.mark.parametrize("generation,batch,hk,plan", [
+    ("v6e", 1, 4, (4, 1, 3)),  # one sequence as four of a quarter of its heads, through the ring
+    ("tpu7x", 8, 2, (1, 4, 3)),  # two steps of four sequences, through the ring
+    ("tpu7x", 4, 2, (1, 4, 0)),  # one step: nothing to overlap
+    ("v5p", 8, 2, (1, 4, 0)),  # a megacore: the steps split over its cores, through Pallas's pipeline
+])
+def test_decode_plans_by_chip_and_batch(generation, batch, hk, plan):
+    """How a decode step's grid runs (`_decode_plan`), and the same step through it against the
+    reference in the TPU interpreter: each head block (or block of sequences) updated from its own
+    state, in initial_state's buffer, no races, no uninitialised reads."""
+    assert ops._decode_plan(batch, hk, generation) == plan
+    splits, seqs_per_step, ring = plan
+    q, k, v, g, beta, states = _inputs(batch, 1, hk, 2 * hk, 32, 16, seed=14)
+    split = lambda x: jnp.asarray(x).reshape(batch * splits, x.shape[1] // splits, *x.shape[2:])
+    flat = lambda x: jnp.asarray(x)[:, 0]
+    gb = jnp.stack([flat(g), flat(beta)], axis=-1)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    o, final = kernel.decode_forward(split(flat(q)), split(flat(k)), split(flat(v)), split(gb), split(states),
+                                     seqs_per_step=seqs_per_step, scale=32 ** -0.5, l2norm=True, out_dtype=jnp.float32,
+                                     in_place=True, ring=ring, interpret=params)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    want_o, want_state = _torch(torch_recurrent_gated_delta_rule, q, k, v, g, beta, states)
+    assert _error(o.reshape(batch, 1, 2 * hk, 16), want_o) <= FP32_TOLERANCE
+    assert _error(final.reshape(states.shape), want_state) <= FP32_TOLERANCE
 
 @pytest.mark.parametrize("cu", [[0, 1, 1, 4, 5], [0, 1, 1, 4, 5, 5]])
 def test_recurrent_packed_sequences_and_tokens_past_the_live_ones(cu):
