@@ -360,6 +360,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
             continue
         best = min((r for impl, r in impls.items() if impl != "ours"), key=lambda r: r["modeled_us"])
         out.append(dict(model=model, generation=generation, tokens=tokens, ours_us=impls["ours"]["modeled_us"],
+                        ours_kernel_us=impls["ours"]["kernel_us"], ours_around_us=impls["ours"]["around_us"],
                         best_other=best["impl"], best_other_us=best["modeled_us"],
                         floor_us=weights_floor_us(headline[model], tokens, generation),
                         lower_bound=best["ops_with_dynamic_loops"] > 0 or best["impl"] == FUSED_MOE))
@@ -453,6 +454,13 @@ def calibration_note(found: list[dict]) -> list[str]:
                      f"({margin:.2f}x): those rows are not decided until XLA is measured at their shapes.")
     elif losses:
         lines.append(f"Ours loses to XLA's ops by up to {max(losses):.2f}x, more than that difference ({margin:.2f}x).")
+    for v in found:
+        if v["ours_us"] > v["best_other_us"] and v["best_other"] == "eager":
+            lines.append(f"{v['model']}, {v['generation']}, batch {v['tokens']}: ours is {v['ours_kernel_us']:.1f} us in "
+                         f"its kernels and {v['ours_around_us']:.1f} us in XLA's ops around them (routing, the rows' "
+                         f"sort and gather, the weighted sum); the eager loop, compiled with its routing as "
+                         f"constants, needs no such ops, and its matmuls stream the same weights with no "
+                         f"latency charged per copy.")
     return lines
 
 
@@ -517,10 +525,12 @@ How to read it:
 - Opponents marked * are lower bounds: XLA's ragged dot counts its loop's trips over the batch's
   routing where calibration.md validates that (against tokamax's tpu7x measurements: weights
   [G, K, N], or [G, N, K] with a short K), but transformers' gate_up_proj [E, 2I, H] with H 2048 or
-  more makes XLA tile the contraction inside the loop, which is counted once (a lower bound); the
-  eager loop's gathers and scatters over the routed tokens are counted once. The eager row is that
-  loop compiled whole with the routing known, a program PyTorch's eager loop cannot be (it dispatches
-  op by op and reads the routing back to the host).
+  more makes XLA tile the contraction inside the loop, which is counted once (a lower bound). Other
+  XLA loops run the trips their bounds give where those follow from constants and addresses (the
+  eager loop's scatters copy their whole output buffer each call, in such loops). The eager row is
+  that loop compiled whole with the routing known, a program PyTorch's eager loop cannot be (it
+  dispatches op by op and reads the routing back to the host): it has no routing, sorting or
+  combining ops of its own to run.
 - How ours runs a decode step: each projection's kernel reads each routed expert's weights once, one
   grid step per routed expert, and a step's product is shorter than its weights' copy. The tuned
   decode entries stream the weights through a ring of four VMEM slots that the kernel fills itself
