@@ -103,6 +103,7 @@ _COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _DEFINITION = re.compile(r"^%(\w+) = ([a-z][\w.]*)\s*(.*)$", re.S)
 _GUARD = re.compile(r"^\((!?%\w+)\),\s*")  # a predicated instruction's predicate
 _SELECT = re.compile(r"^\((!?%\w+), (%\w+)\),\s*(\S+)$")  # `smov (p, %old), new`: p ? new : old
+_BRANCH_PREDICATE = re.compile(r"sbr\.rel\s*\((!?)%(\w+)\)")
 _SMEM_SLOT = re.compile(r"^\[smem:\[(#allocation\d+(?: \+ \$0x[0-9a-f]+)?)\]\]\s*(\S*)$")
 _TRIP_LIMIT = 1 << 24
 _COMPARE = {"lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
@@ -211,7 +212,7 @@ class _RegisterLoops:
 
     def taken(self, branch: str) -> bool | None:
         """Whether the branch (its text) is taken, where its predicate is known."""
-        match = re.search(r"sbr\.rel\s*\((!?)%(\w+)\)", _COMMENT.sub("", branch))
+        match = _BRANCH_PREDICATE.search(_COMMENT.sub("", branch))
         known = None if match is None else self.value(f"%{match.group(2)}", {})
         if known is None or known[0] is not None:
             return None
@@ -224,7 +225,7 @@ class _RegisterLoops:
     def trips(self, branch: str, start: int, end: int) -> int | None:
         """The trips of the loop [start, end) closed by `branch` (its back branch's text), or None;
         a counted loop's inductions' last values are kept for the loops after it."""
-        match = re.search(r"sbr\.rel\s*\((!?)%(\w+)\)", _COMMENT.sub("", branch))
+        match = _BRANCH_PREDICATE.search(_COMMENT.sub("", branch))
         if match is None or match.group(2) not in self.definitions:
             return None
         negated = match.group(1) == "!"
