@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
+from runtime import rings  # noqa: E402
 from runtime.generations import GENERATIONS  # noqa: E402
 
 import dataclasses  # noqa: E402
@@ -104,29 +105,19 @@ def stream_fit(streams: list[dict]) -> dict | None:
 
 def weight_stream(block_rows: int, width: int, slots: int):
     """Weights [R, width] streamed from HBM in [block_rows, width] blocks, a block's first rows summed
-    (no MXU work): a DMA-only ring of `slots` slots that the kernel fills itself as ragged_dot's ring
-    does (`kernel._weight_ring`): at each step it waits for its block, then starts the copy
+    (no MXU work): a DMA-only ring of `slots` slots that the kernel fills itself
+    (`runtime.rings.consecutive_blocks`, as the gated delta rule's decode does; ragged_dot's ring
+    copies by a plan of its own): at each step it waits for its block, then starts the copy
     slots - 1 blocks ahead (slots - 1 in flight)."""
     def body(w_hbm, o_ref, buf, sems):
-        i, steps = pl.program_id(0), pl.num_programs(0)
-        copy = lambda j: pltpu.make_async_copy(w_hbm.at[pl.ds(j * block_rows, block_rows)], buf.at[j % slots],
-                                               sems.at[j % slots])
-        for first in range(slots - 1):
-            @pl.when(jnp.logical_and(i == 0, first < steps))
-            def _():
-                copy(first).start()
-
-        copy(i).wait()
-
-        @pl.when(i + slots - 1 < steps)
-        def _():
-            copy(i + slots - 1).start()
+        i = pl.program_id(0)
+        block = rings.consecutive_blocks(w_hbm, buf, sems)
 
         @pl.when(i == 0)
         def _():
             o_ref[...] = jnp.zeros_like(o_ref)
 
-        o_ref[...] += buf[i % slots][:8, :].astype(jnp.float32)
+        o_ref[...] += block[:8, :].astype(jnp.float32)
 
     def fn(w):
         return pl.pallas_call(

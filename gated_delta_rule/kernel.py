@@ -46,6 +46,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ._shared.rings import consecutive_blocks
+
 F32 = jnp.float32
 EXACT = jax.lax.Precision.HIGHEST
 # The chunk kernels' VMEM limit: the backward's vjp of a block of heads keeps its intermediates in
@@ -393,28 +395,9 @@ def _token_kernel(seq_ref, first_ref, last_ref, flags_ref,  # scalar prefetch: p
 def _decode_kernel(q_ref, k_ref, v_ref, gb_ref, h0_ref, o_ref, ht_ref, *rings, scale: float, l2norm: bool, ring: int):
     """A token of each of a block of sequences (`_token_step`), each from its state's block to the
     new state's. With a `ring` of slots (`rings`: the slots and their semaphores), h0_ref is the
-    states in HBM and the kernel copies each step's block itself, `ring` - 1 steps ahead: the first
-    step starts the first ring - 1 copies; each step waits for its own and starts the one ring - 1
-    ahead, into the slot the previous step (done) read."""
+    states in HBM and the kernel copies each step's block itself (`consecutive_blocks`)."""
     if ring:
-        slots, sems = rings
-        step, steps, seqs = pl.program_id(0), pl.num_programs(0), slots.shape[1]
-
-        def copy(c):
-            return pltpu.make_async_copy(h0_ref.at[pl.ds(c * seqs, seqs)], slots.at[c % ring], sems.at[c % ring])
-
-        for first in range(ring - 1):
-            @pl.when(jnp.logical_and(step == 0, first < steps))
-            def _():
-                copy(first).start()
-
-        copy(step).wait()
-
-        @pl.when(step + ring - 1 < steps)
-        def _():
-            copy(step + ring - 1).start()
-
-        h0_ref = slots.at[step % ring]
+        h0_ref = consecutive_blocks(h0_ref, *rings)
     for s in range(q_ref.shape[0]):
         _token_step(q_ref[s], k_ref[s], v_ref[s], gb_ref[s], h0_ref.at[s], ht_ref.at[s], o_ref.at[s], scale=scale,
                     l2norm=l2norm)
