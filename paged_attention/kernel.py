@@ -70,7 +70,7 @@ class Options:
 # The most query rows (heads together times a block's rows) for which heads sharing a cache word
 # are attended together (`_kernel`); decode blocks have 8 to 16 rows per head, prefill blocks 64 and more.
 TOGETHER_MAX_ROWS = 64
-PAGES_PER_TRIP = 8  # page copies a loop trip starts (v6e: 46 issue cycles a page one to a trip, 33 eight to a trip)
+PAGES_PER_TRIP = 8  # page copies a loop trip starts: its test and index updates are paid once for them all
 
 
 def lane_tiles(d: int) -> int:
@@ -83,6 +83,16 @@ def page_bytes(page_size: int, hkv: int, d: int, dtype) -> int:
     """The bytes one page copy moves: the page's rows, each padded to whole 128-lane tiles as the
     row-major cache holds them in HBM (`ops.CACHE_MAJOR_TO_MINOR`): head_dim 64 moves 2x its keys."""
     return page_size * hkv * -(-d // LANES) * LANES * jnp.dtype(dtype).itemsize
+
+
+def buffer_shape(page_shape, dtype, pages_per_block: int, head_major: bool) -> tuple[int, ...]:
+    """A K or V buffer: two chunks of pages_per_block pages ([pages, ...] page_shape: as the kernel
+    views the cache). A page per index of the second dim, but token-major pages [rows, lanes] of
+    part of a (sublane) tile as the chunk's rows: in VMEM each page would pad to whole tiles."""
+    tile_rows = 8 * 4 // jnp.dtype(dtype).itemsize
+    if head_major or page_shape[1] % tile_rows == 0:
+        return (2, pages_per_block, *page_shape[1:])
+    return (2, pages_per_block * page_shape[1], page_shape[2])
 
 
 def chunk_pages(kv_len, seq_lo, chunk, pages_per_block: int, page_size: int):
@@ -121,13 +131,29 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     slot = i % 2
     window_start = lambda seq: seq_lo[seq] if opts.windowed else None
 
-    if opts.head_major:  # buffers [2, ppb, Hkv, page_size, D]: a page per index of the second dim
-        page_rows = lambda buf, into, p: buf.at[into, p]
-        pages_rows = lambda buf, into, n: buf.at[into, pl.ds(0, n)]
-    else:  # buffers [2, ppb * page rows, lanes]
-        rows = k_buf.shape[1] // ppb  # a page's rows in the buffers
-        page_rows = lambda buf, into, p: buf.at[into, pl.ds(p * rows, rows)]
-        pages_rows = lambda buf, into, n: buf.at[into, pl.ds(0, n * rows)]
+    # Buffers [2, ppb, a page] (`buffer_shape`): a page's address is a few scalar ops per copy.
+    # Token-major pages of part of a tile are rows of one buffer [2, ppb * page rows, lanes].
+    def page_rows(buf, into, p):
+        if buf.ndim == 3:
+            rows = buf.shape[1] // ppb
+            return buf.at[into, pl.ds(p * rows, rows)]
+        return buf.at[into, p]
+
+    def pages_rows(buf, into, n):
+        return buf.at[into, pl.ds(0, n * (buf.shape[1] // ppb if buf.ndim == 3 else 1))]
+
+    def chunk_rows(buf) -> int:
+        """A token-major buffer's rows per chunk."""
+        return buf.shape[1] if buf.ndim == 3 else ppb * buf.shape[2]
+
+    def strided_rows(buf, start: int, stride: int):
+        """Rows start, start + stride, ... of this step's token-major chunk, as [chunk, lanes]: a
+        strided load of whole rows (in each page, whose rows are page_size strides)."""
+        if buf.ndim == 3:
+            return buf.at[slot][pl.ds(start, chunk, stride=stride), :]
+        rows = buf.at[slot][:, pl.ds(start, page_size, stride=stride), :]
+        return rows.reshape(chunk, rows.shape[-1])
+
     unroll = min(PAGES_PER_TRIP, ppb)
 
     def page_trips(step):
@@ -150,8 +176,9 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         first, full, left = page_trips(step)
 
         def copy(p):
+            page = pages[0, p]  # (read once: Mosaic loads it again for each use)
             for kind, (src, buf) in buffers():
-                pltpu.make_async_copy(src.at[pages[0, p]], page_rows(buf, into, p), sems.at[kind, into]).start()
+                pltpu.make_async_copy(src.at[page], page_rows(buf, into, p), sems.at[kind, into]).start()
 
         loop(full, lambda j: [copy(first + j * unroll + u) for u in range(unroll)])
         loop(left, lambda j: copy(first + full * unroll + j))
@@ -229,8 +256,8 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         # load of packed rows unpacks and repacks every row: about 1.5x the head-major
         # attention's cycles on v6e and tpu7x, MODELED). Prefill's many rows keep a head at a time.
         packing = 4 // k_buf.dtype.itemsize
-        one_row_heads = k_buf.shape[1] == chunk * hkv and v_buf.shape[1] == chunk * hkv
-        together = (packing if not opts.head_major and one_row_heads and hkv % packing == 0 and hkv > 1
+        one_row_heads = not opts.head_major and all(chunk_rows(buf) == chunk * hkv for buf in (k_buf, v_buf))
+        together = (packing if one_row_heads and hkv % packing == 0 and hkv > 1
                     and k_buf.dtype == v_buf.dtype and packing * rows <= TOGETHER_MAX_ROWS else 1)
         width = together * chunk
         cols = jax.lax.broadcasted_iota(jnp.int32, (together * rows, width), 1)
@@ -260,13 +287,11 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             dynamic index beside a strided one on packed dtypes.)"""
             if opts.head_major:
                 return buf.at[slot][:, h].reshape(chunk, buf.shape[-1])
-            n = buf.shape[1] // (chunk * hkv)
-            if hkv * n == 1:
-                return buf.at[slot][...]
+            n = chunk_rows(buf) // (chunk * hkv)
             if together > 1:
-                words = buf.bitcast(jnp.uint32).at[slot][pl.ds(h // together, chunk, stride=hkv // together), :]
+                words = strided_rows(buf.bitcast(jnp.uint32), h // together, hkv // together)
                 return pltpu.bitcast(words, buf.dtype)
-            parts = [buf.at[slot][pl.ds(h * n + j, chunk, stride=hkv * n), :] for j in range(n)]
+            parts = [strided_rows(buf, h * n + j, hkv * n) for j in range(n)]
             return parts[0] if n == 1 else jnp.concatenate(parts, axis=1)
 
         stack = lambda values: values[0] if together == 1 else jnp.concatenate(values, axis=0)
@@ -323,16 +348,15 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
     rows_per_block = blocks.block_q * opts.groups
     spare = rows // rows_per_block - 1  # `query_block`
     ppb, page_size = blocks.pages_per_block, opts.page_size
-    if opts.head_major:  # pages copied as they are, [Hkv, page_size, D], to buffers of ppb pages
+    if opts.head_major:  # pages copied as they are, [Hkv, page_size, D]
         k_pages, v_pages = k_cache, v_cache
-        buffer = lambda c: pltpu.VMEM((2, ppb, *c.shape[1:]), c.dtype)
     else:
         # A page as [page_size * Hkv, D] (token-major, head-minor): the same bytes (XLA adds no copy,
         # checked in libtpu's compile), so a chunk's head is a strided load of whole rows.
         # (A head_dim past 128 lanes as rows of 128: `lane_tiles`.)
         k_pages, v_pages = (c.reshape(c.shape[0], page_size * hkv * lane_tiles(c.shape[3]),
                                       c.shape[3] // lane_tiles(c.shape[3])) for c in (k_cache, v_cache))
-        buffer = lambda c: pltpu.VMEM((2, ppb * c.shape[1], c.shape[2]), c.dtype)
+    buffer = lambda pages: pltpu.VMEM(buffer_shape(pages.shape, pages.dtype, ppb, opts.head_major), pages.dtype)
     parts = schedule.part_first.shape[0]
     last = schedule.block.shape[0] - 1
 
