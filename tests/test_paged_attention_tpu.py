@@ -13,11 +13,12 @@ import tpu_compile
 
 from paged_attention import ops, tuning
 from paged_attention._shared.generations import GENERATIONS
-from paged_attention.kernel import BlockSizes
+from paged_attention.kernel import PAGES_PER_TRIP, BlockSizes
 import sampling  # noqa: E402
 
 SERVING = tuning.SERVING_LIMITS
 POOL_BYTES = 2 << 30
+COPY_BUNDLES_PER_PAGE = 9  # its K and V copies' issue and address arithmetic, on every generation
 
 # (generation, Hq, Hkv, D, page size, cache dtype, options): `make test` compiles v6e's and v5p's (a
 # megacore) prefill at head_dim 128, v6e's default path at head_dim 512, v5e's head_dim 64 and tpu7x's
@@ -102,6 +103,11 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
         # The page copies run unchecked (ops validates every index first): libtpu's checks would
         # cost a quarter of a v6e decode step's issue cycles (modeled).
         assert kernel.schedule is not None and kernel.schedule.bounds_checks == 0
+        # A page's two copies issue in a few bundles: the buffers hold a page per index
+        # (`kernel.buffer_shape`), so each page's address is a constant step from its trip's first
+        # (a page's rows as a dynamic slice of one run of rows took about 11 bundles a page).
+        first_copies = next(c for c in kernel.schedule.controls if c.kind == "loop")
+        assert first_copies.own_cycles <= COPY_BUNDLES_PER_PAGE * PAGES_PER_TRIP, first_copies
     assert_no_cache_copy(report, cache)
 
 
