@@ -85,16 +85,6 @@ def page_bytes(page_size: int, hkv: int, d: int, dtype) -> int:
     return page_size * hkv * -(-d // LANES) * LANES * jnp.dtype(dtype).itemsize
 
 
-def buffer_shape(page_shape, dtype, pages_per_block: int, head_major: bool) -> tuple[int, ...]:
-    """A K or V buffer: two chunks of pages_per_block pages ([pages, ...] page_shape: as the kernel
-    views the cache). A page per index of the second dim, but token-major pages [rows, lanes] of
-    part of a (sublane) tile as the chunk's rows: in VMEM each page would pad to whole tiles."""
-    tile_rows = 8 * 4 // jnp.dtype(dtype).itemsize
-    if head_major or page_shape[1] % tile_rows == 0:
-        return (2, pages_per_block, *page_shape[1:])
-    return (2, pages_per_block * page_shape[1], page_shape[2])
-
-
 def chunk_pages(kv_len, seq_lo, chunk, pages_per_block: int, page_size: int):
     """(first, end): the pages of a sequence's chunk a step copies, first <= page < end: those
     holding keys its new tokens can see (none past kv_len, none before seq_lo, where a sliding
@@ -131,26 +121,14 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     slot = i % 2
     window_start = lambda seq: seq_lo[seq] if opts.windowed else None
 
-    # Buffers [2, ppb, a page] (`buffer_shape`): a page's address is a few scalar ops per copy.
-    # Token-major pages of part of a tile are rows of one buffer [2, ppb * page rows, lanes].
-    def page_rows(buf, into, p):
-        if buf.ndim == 3:
-            rows = buf.shape[1] // ppb
-            return buf.at[into, pl.ds(p * rows, rows)]
-        return buf.at[into, p]
-
-    def pages_rows(buf, into, n):
-        return buf.at[into, pl.ds(0, n * (buf.shape[1] // ppb if buf.ndim == 3 else 1))]
-
-    def chunk_rows(buf) -> int:
-        """A token-major buffer's rows per chunk."""
-        return buf.shape[1] if buf.ndim == 3 else ppb * buf.shape[2]
+    # Buffers [2, ppb, a page]: each page's address is a constant step from its trip's first (a
+    # few scalar ops per copy, where a page as rows of one run cost twice that).
+    page_rows = lambda buf, into, p: buf.at[into, p]
+    pages_rows = lambda buf, into, n: buf.at[into, pl.ds(0, n)]
 
     def strided_rows(buf, start: int, stride: int):
-        """Rows start, start + stride, ... of this step's token-major chunk, as [chunk, lanes]: a
-        strided load of whole rows (in each page, whose rows are page_size strides)."""
-        if buf.ndim == 3:
-            return buf.at[slot][pl.ds(start, chunk, stride=stride), :]
+        """Rows start, start + stride, ... of this step's token-major chunk ([2, ppb, page rows,
+        lanes] buffers) as [chunk, lanes]: a strided load of whole rows in each page."""
         rows = buf.at[slot][:, pl.ds(start, page_size, stride=stride), :]
         return rows.reshape(chunk, rows.shape[-1])
 
@@ -256,8 +234,8 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         # load of packed rows unpacks and repacks every row: about 1.5x the head-major
         # attention's cycles on v6e and tpu7x, MODELED). Prefill's many rows keep a head at a time.
         packing = 4 // k_buf.dtype.itemsize
-        one_row_heads = not opts.head_major and all(chunk_rows(buf) == chunk * hkv for buf in (k_buf, v_buf))
-        together = (packing if one_row_heads and hkv % packing == 0 and hkv > 1
+        one_row_heads = k_buf.shape[-2] == page_size * hkv and v_buf.shape[-2] == page_size * hkv
+        together = (packing if not opts.head_major and one_row_heads and hkv % packing == 0 and hkv > 1
                     and k_buf.dtype == v_buf.dtype and packing * rows <= TOGETHER_MAX_ROWS else 1)
         width = together * chunk
         cols = jax.lax.broadcasted_iota(jnp.int32, (together * rows, width), 1)
@@ -287,7 +265,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             dynamic index beside a strided one on packed dtypes.)"""
             if opts.head_major:
                 return buf.at[slot][:, h].reshape(chunk, buf.shape[-1])
-            n = chunk_rows(buf) // (chunk * hkv)
+            n = buf.shape[2] // (page_size * hkv)
             if together > 1:
                 words = strided_rows(buf.bitcast(jnp.uint32), h // together, hkv // together)
                 return pltpu.bitcast(words, buf.dtype)
@@ -356,7 +334,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, seq_lo, page_chunks, ro
         # (A head_dim past 128 lanes as rows of 128: `lane_tiles`.)
         k_pages, v_pages = (c.reshape(c.shape[0], page_size * hkv * lane_tiles(c.shape[3]),
                                       c.shape[3] // lane_tiles(c.shape[3])) for c in (k_cache, v_cache))
-    buffer = lambda pages: pltpu.VMEM(buffer_shape(pages.shape, pages.dtype, ppb, opts.head_major), pages.dtype)
+    buffer = lambda pages: pltpu.VMEM((2, ppb, *pages.shape[1:]), pages.dtype)  # two chunks of ppb pages
     parts = schedule.part_first.shape[0]
     last = schedule.block.shape[0] - 1
 

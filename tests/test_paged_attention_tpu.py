@@ -33,6 +33,9 @@ SAMPLE.append(("v5e", 64, 8, 64, 16, jnp.bfloat16, dict(prefill_only=True, slidi
 SAMPLE.append(("tpu7x", 32, 8, 128, 16, jnp.bfloat16, dict(cache_layout="head_major")))
 # Gemma 4's global layers: head_dim 512 (past the table's widest: its blocks cut to fit), 2 KV heads.
 SAMPLE.append(("v6e", 16, 2, 512, 16, jnp.bfloat16, {}))
+# One KV head with an fp8 cache, token-major: a page is half an 8-bit tile (a chunk's pages as one
+# run of rows put every other page's copy mid-tile, which Mosaic refuses).
+SAMPLE.append(("tpu7x", 8, 1, 128, 16, jnp.float8_e4m3fn, dict(prefill_only=True)))
 MORE = [
     ("v6e", 32, 8, 128, 16, jnp.bfloat16, {}),
     # tpu7x at head_dim 256: a head's keys are two rows of 128 lanes in the kernel's view of a page.
@@ -60,6 +63,7 @@ MORE = [
     ("v6e", 32, 8, 128, 16, jnp.int8, {}),
     ("tpu7x", 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
     ("tpu7x", 32, 8, 128, 16, jnp.float8_e4m3fn, dict(cache_layout="head_major")),
+    ("v5e", 8, 1, 128, 16, jnp.int8, {}),
 ]
 CASES = SAMPLE + (MORE if sampling.ALL_COMPILES else [])
 
