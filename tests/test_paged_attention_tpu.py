@@ -176,11 +176,13 @@ def test_an_untuned_wide_head_takes_a_narrower_entry_cut_to_its_vmem():
     assert tuning._entry("v6e", 512, 24, "bfloat16", None) == tuple(x // 2 for x in tuning.RULE)
 
 
+@pytest.mark.parametrize("layout", ops.CACHE_LAYOUTS)
 @pytest.mark.parametrize("generation,key", TUNED_ENTRIES if os.environ.get("PAGED_CHECK_ALL_TUNED") == "1" else [])
-def test_tuned_entry_compiles_at_serving_limits(generation, key):
-    """`make check-tuned`: every entry, both kernels, compiled by libtpu for its generation at SERVING."""
+def test_tuned_entry_compiles_at_serving_limits(generation, key, layout):
+    """`make check-tuned`: every entry, both kernels, in either cache layout, compiled by libtpu for
+    its generation at SERVING."""
     d, page_size, dtype = key
-    _compile_serving_step(generation, 32, 8, d, page_size, jnp.dtype(dtype), {})
+    _compile_serving_step(generation, 32, 8, d, page_size, jnp.dtype(dtype), dict(cache_layout=layout))
 
 
 @pytest.mark.parametrize("generation,cache_dtype,d,layout,hkv", [("v6e", jnp.bfloat16, 128, "token_major", 8),
