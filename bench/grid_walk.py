@@ -331,12 +331,15 @@ def _copies_only(jaxpr) -> bool:
 
 def _copy_bytes_of(eqn) -> int | None:
     """Bytes one `dma_start` moves: its destination's shape after its indexing (None for a view the
-    walk does not read: a bitcast or reshape of the destination)."""
+    walk does not read, a bitcast or reshape of the destination, or a slice of a size known only
+    as the kernel runs)."""
     _, dst, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)
     transforms = getattr(dst, "transforms", ())
     if not all(hasattr(t, "get_indexer_shape") for t in transforms):
         return None
     shape = transforms[-1].get_indexer_shape() if transforms else dst.aval.shape
+    if not all(isinstance(n, int) for n in shape):
+        return None
     return math.prod(shape) * np.dtype((dst.ref if transforms else dst).aval.dtype).itemsize
 
 

@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
+import harness
 import kernel_profile
 
 
@@ -220,3 +221,12 @@ def test_static_loops_count_their_compiled_trips(unroll, trips):
                                           "static_loops").kernels.values()
     cycles, _ = p.step_cycles(compiled.schedule)
     assert cycles.shape == (1,) and cycles[0] > 0
+
+
+def test_the_walk_leaves_a_copy_of_a_run_time_size_to_the_profile():
+    """The grid walk cannot size a copy whose rows are a value (tpu-inference's kernel copies so
+    under a sliding window): it counts none of the kernel's own copies, which the profile counts
+    as they run (above)."""
+    rows, x = jnp.array([3, 5], jnp.int32), jnp.zeros((8, 128), jnp.float32)
+    (cost,), _ = harness.walk(_dynamic_copy, [rows, x], "v6e")
+    assert cost.copy_step is None
