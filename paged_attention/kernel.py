@@ -122,7 +122,7 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     window_start = lambda seq: seq_lo[seq] if opts.windowed else None
 
     # Buffers [2, ppb, a page]: a page's address is a constant step from its trip's first, a few
-    # scalar ops per copy (a long context issues thousands a step), and a page of part of a tile
+    # scalar ops per copy (a step issues hundreds), and a page of part of a tile
     # (one KV head, 8-bit) lands on a tile of its own, as a DMA must.
     page_rows = lambda buf, into, p: buf.at[into, p]
     pages_rows = lambda buf, into, n: buf.at[into, pl.ds(0, n)]

@@ -75,8 +75,8 @@ def test_bf16_is_the_reference_rounded(case):
     assert max_error(out, expected) <= 2**-8 * max_abs(args[2].astype(jnp.float32))
 
 
-# A token-major 8-bit page of two KV heads fills an 8-bit tile (buffers of a page per index); of
-# one KV head, half a tile (`kernel.buffer_shape`: the chunk's pages as one run of rows).
+# A token-major 8-bit page of two KV heads fills an 8-bit tile; of one KV head, half of one (each
+# page has an index of its own in the kernel's buffers either way).
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c[0])
 @pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.int8], ids=["fp8", "int8"])
 def test_quantized_cache_is_read_times_its_scale(cache_dtype, case):

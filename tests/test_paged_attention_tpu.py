@@ -21,8 +21,8 @@ POOL_BYTES = 2 << 30
 COPY_BUNDLES_PER_PAGE = 9  # its K and V copies' issue and address arithmetic, on every generation
 
 # (generation, Hq, Hkv, D, page size, cache dtype, options): `make test` compiles v6e's and v5p's (a
-# megacore) prefill at head_dim 128, v6e's default path at head_dim 512, v5e's head_dim 64 and tpu7x's
-# head-major pages, with 16-token pages; `make check-compile` (CHECK_ALL_COMPILES=1) every generation,
+# megacore) prefill at head_dim 128, v6e's default path at head_dim 512, v5e's head_dim 64, tpu7x's
+# head-major pages and its one-KV-head fp8 prefill, with 16-token pages; `make check-compile` (CHECK_ALL_COMPILES=1) every generation,
 # each cache dtype, page size and head dim. Every case compiles the default path's two kernels
 # (decode and prefill blocks) but those marked prefill_only: the two differ only in block rows, and
 # each compile costs about 25 s.
