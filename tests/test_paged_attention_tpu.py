@@ -22,8 +22,8 @@ COPY_BUNDLES_PER_PAGE = 9  # its K and V copies' issue and address arithmetic, o
 
 # (generation, Hq, Hkv, D, page size, cache dtype, options): `make test` compiles v6e's and v5p's (a
 # megacore) prefill at head_dim 128, v6e's default path at head_dim 512, v5e's head_dim 64, tpu7x's
-# head-major pages and its one-KV-head fp8 prefill, with 16-token pages; `make check-compile` (CHECK_ALL_COMPILES=1) every generation,
-# each cache dtype, page size and head dim. Every case compiles the default path's two kernels
+# head-major pages and its one-KV-head fp8 prefill, with 16-token pages; `make check-compile`
+# (CHECK_ALL_COMPILES=1) every generation, each cache dtype, page size and head dim. Every case compiles the default path's two kernels
 # (decode and prefill blocks) but those marked prefill_only: the two differ only in block rows, and
 # each compile costs about 25 s.
 SAMPLE = [(g, 32, 8, 128, 16, jnp.bfloat16, dict(prefill_only=True)) for g in ("v5p", "v6e")]
@@ -107,9 +107,9 @@ def _compile_serving_step(generation, hq, hkv, d, page_size, cache_dtype, option
         # The page copies run unchecked (ops validates every index first): libtpu's checks would
         # cost a quarter of a v6e decode step's issue cycles (modeled).
         assert kernel.schedule is not None and kernel.schedule.bounds_checks == 0
-        # A page's two copies issue in a few bundles: the buffers hold a page per index
-        # (`kernel.buffer_shape`), so each page's address is a constant step from its trip's first
-        # (a page's rows as a dynamic slice of one run of rows took about 11 bundles a page).
+        # A page's two copies issue in a few bundles: the kernel's buffers hold a page per index, so
+        # each page's address is a constant step from its trip's first (a page's rows as a dynamic
+        # slice of one run of rows took about 11 bundles a page).
         first_copies = next(c for c in kernel.schedule.controls if c.kind == "loop")
         assert first_copies.own_cycles <= COPY_BUNDLES_PER_PAGE * PAGES_PER_TRIP, first_copies
     assert_no_cache_copy(report, cache)
