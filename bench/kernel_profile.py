@@ -5,8 +5,8 @@ its cycles; for a kernel whose loops and branches depend on its data (a
 paged attention's pages per sequence, a loop over blocks whose count is in
 SMEM) it must also know how often each part runs. This runs the kernel in
 Pallas's interpreter, on this CPU, with its jaxpr instrumented: every loop
-body, every branch of a `lax.cond` / `pl.when` and every DMA start reports
-itself, and the grid step it runs in. The counts are exact for the inputs
+body, every branch of a `lax.cond` / `pl.when` and every DMA start and wait
+reports itself, and the grid step it runs in. The counts are exact for the inputs
 given; the data's values matter only where the control flow reads them.
 It runs in the TPU interpreter (`pltpu.InterpretParams`), which keeps a
 kernel's SMEM from one grid step to the next as a TPU does: the plain
@@ -15,8 +15,8 @@ flags there (jax's paged_attention) would be seen copying more.
 
 Only the kernel's control is run: before the kernel runs, every operation
 that neither decides a loop or branch nor writes SMEM is cut out of it
-(`_sliced`): the vector work, the DMAs themselves (their starts still report
-their static bytes). A decode batch of 64 sequences at 8k then runs in
+(`_sliced`): the vector work, the DMAs themselves (their starts and waits
+still report their bytes). A decode batch of 64 sequences at 8k then runs in
 seconds, and kernels with ops the interpreter lacks (jax's
 ragged_paged_attention reshapes refs) run too, as long as those ops are not
 part of the control. Control read from VMEM (never the case in the kernels
@@ -26,7 +26,7 @@ writes.
 `profile(fn, *args)` returns a `KernelProfile` per pallas_call `fn` runs:
 its control nodes in program order (pre-order: a node's children follow
 it) and, per grid step, how many times each ran and the bytes each DMA
-moved.
+moved or waited for.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ NO_LOOP_SIMPLIFIER = {"xla_disable_hlo_passes": "simplify-while-loops"}
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    kind: str  # "loop" (a while / fori body), "branch" (one branch of a cond), "dma" (a DMA start)
+    kind: str  # "loop" (a while / fori body), "branch" (one branch of a cond), "dma" (a DMA start), "wait" (a DMA wait)
     parent: int  # index of the node it runs inside, -1 at the kernel's top level
     branch: int = 0  # a branch's index in its cond (pl.when: its body is branch 1)
     empty: bool = False  # a branch with nothing in it (pl.when's branch 0): no code is laid out for it
@@ -65,7 +65,7 @@ class KernelProfile:
     grid: tuple[int, ...]
     nodes: list[Node]
     counts: np.ndarray  # [grid steps, nodes] int64: runs of each node at each step (row-major steps)
-    moved: np.ndarray  # [grid steps, nodes] int64: the bytes each DMA node moved at each step
+    moved: np.ndarray  # [grid steps, nodes] int64: the bytes each DMA start moved (or wait waited for) at each step
 
     def control_runs(self, schedule, whole_program: bool = False) -> np.ndarray | None:
         """[grid steps, schedule.controls] (whole_program: schedule.program_controls): how many
@@ -79,7 +79,7 @@ class KernelProfile:
         in program order is taken. Branches Mosaic lays out after the kernel's own, holding
         none of them (the pipeline's write-back of a block-spec'd output), match no node: they
         count as running at every step."""
-        nodes = [i for i, n in enumerate(self.nodes) if n.kind != "dma" and not n.empty]
+        nodes = [i for i, n in enumerate(self.nodes) if n.kind in ("loop", "branch") and not n.empty]
         controls = schedule.program_controls if whole_program else schedule.controls
         holders = [{k for k in range(j) if controls[k].holds(c)} for j, c in enumerate(controls)]
         holding = set().union(*holders)
@@ -146,6 +146,12 @@ class KernelProfile:
         chosen = np.array([n.kind == "dma" and n.reads_hbm == reads_hbm for n in self.nodes], bool)
         return self.moved[:, chosen].sum(axis=1)
 
+    def waited_bytes(self) -> np.ndarray:
+        """[grid steps] the bytes each step's DMA waits wait for (a wait's descriptor's bytes:
+        a DMA semaphore counts bytes, whichever copies brought them)."""
+        chosen = np.array([n.kind == "wait" for n in self.nodes], bool)
+        return self.moved[:, chosen].sum(axis=1)
+
 
 def _sub_jaxprs(eqn):
     """The jaxprs a call-like equation (jit, a custom rule) evaluates, to walk through."""
@@ -209,7 +215,7 @@ class _Instrumenter:
                     node = Node("branch", parent, i, empty=not branches[i].jaxpr.eqns)
                     branches[i] = self._reporting(branches[i], self._node(node))
                 params["branches"] = tuple(branches)
-            elif eqn.primitive.name == "dma_start":
+            elif eqn.primitive.name in ("dma_start", "dma_wait"):
                 eqns += self._dma_report(eqn, parent)
             elif eqn.primitive.name == "scan" and _scan_unroll(params) < params["length"]:
                 # A fori_loop of static bounds, compiled as a loop (Mosaic unrolls only a whole one).
@@ -224,8 +230,8 @@ class _Instrumenter:
         return jaxpr.replace(eqns=eqns)
 
     def _dma_report(self, eqn, parent: int) -> list:
-        """The equations that report a DMA start and its bytes. A DMA whose slice sizes are
-        values (`pl.ds(start, n)` with n traced) reports them as it runs."""
+        """The equations that report a DMA start (or wait) and its bytes. A DMA whose slice sizes
+        are values (`pl.ds(start, n)` with n traced) reports them as it runs."""
         src_aval, dst_aval = jax.tree_util.tree_unflatten(eqn.params["tree"], [v.aval for v in eqn.invars])[:2]
         src = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)[0]
         sizes = [s.size for t in getattr(src, "transforms", ()) for s in getattr(t, "indices", ())
@@ -236,7 +242,10 @@ class _Instrumenter:
         if len(src_aval.shape) > 1 and src_aval.shape[-1] == static[-1] < LANES:
             static[-1] = LANES  # a row of fewer lanes fills a whole 128-lane tile in memory, and moves it
         itemsize = np.dtype(src_aval.dtype).itemsize
-        index = self._node(Node("dma", parent, reads_hbm=_in_hbm(src_aval) and not _in_hbm(dst_aval)))
+        if eqn.primitive.name == "dma_wait":
+            index = self._node(Node("wait", parent))
+        else:
+            index = self._node(Node("dma", parent, reads_hbm=_in_hbm(src_aval) and not _in_hbm(dst_aval)))
         report = lambda *n: self._report(index, math.prod(static) * itemsize * math.prod(int(x) for x in n))
         traced = self._traced(lambda *n: jax.debug.callback(report, *n), [v.aval for v in sizes]).jaxpr
         rename = dict(zip(traced.invars, sizes))

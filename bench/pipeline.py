@@ -29,6 +29,8 @@ TPU measurement we could reproduce.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 # The pipeline sum and what HBM delivers to copies (the fit to calibration's measured DMA rings:
@@ -37,8 +39,9 @@ from runtime.generations import (COPY_LATENCY_S, DMA_LATENCY_S, GENERATIONS, HBM
                                  copy_bytes_per_s, copy_latency_s, pipeline_seconds)
 
 # Bumped when the model's figures move: tuning records rated on an earlier one are rated again.
+# 3: a profiled kernel's copies started a step ahead queue across steps (`own_copies_step_seconds`);
 # 2: copies at `HBM_SHARE` and `COPY_LATENCY_S`; 1: at the published bandwidth and `DMA_LATENCY_S`.
-MODEL_REVISION = 2
+MODEL_REVISION = 3
 
 
 # The clock at which bundles issue when they do not wait on the MXU. Each generation's `clock_hz`
@@ -138,6 +141,48 @@ def copying_pipeline_seconds(compute_s, fetch_bytes, write_bytes, copy_step, cop
     return float(issue(now, write[-1], big_write[-1]) if write[-1] > 0 else now)
 
 
+def own_copies_step_seconds(compute_s, started_bytes, waited_bytes, bytes_per_s: float, latency_s: float) -> np.ndarray:
+    """Each grid step's length for a kernel that copies what it needs itself, known per step only
+    as the bytes its DMA starts move and its waits wait for (a profiled kernel:
+    bench/kernel_profile.py). Its copies go through one queue, as in `copying_pipeline_seconds`: a
+    step's starts issue when the step begins. Bytes a step waits for that an earlier step started
+    (the next step's copies started before this one's wait) hold its compute until they arrive;
+    bytes it starts and waits for itself are taken to overlap its compute (double-buffered in its
+    loops: a lower bound), the step lasting at least until they arrive. So a kernel that copies a
+    step ahead pays a copy's latency where its queue runs dry, not every step; one that copies
+    within its steps lasts max(compute, latency + bytes / bandwidth) a step. Waits that do not
+    add up to the starts (a semaphore counting other units) are read as each step waiting for
+    what it started."""
+    compute = np.asarray(compute_s, np.float64)
+    started = [int(b) for b in started_bytes]
+    waited = [int(b) for b in waited_bytes]
+    if sum(waited) != sum(started):
+        waited = started
+    lengths = np.empty(len(compute))
+    now = queue = 0.0
+    batch_ends, batch_arrivals = [], []  # per batch of starts: bytes started through it, when its last byte arrives
+    started_total = waited_total = 0
+
+    def arrival(position: int) -> float:  # when the queue's byte at `position` has arrived
+        k = bisect.bisect_left(batch_ends, position)
+        return batch_arrivals[k] - (batch_ends[k] - position) / bytes_per_s
+
+    for i in range(len(compute)):
+        ahead = started_total - waited_total  # started by earlier steps, not yet waited for
+        if started[i]:
+            queue = max(now + latency_s, queue) + started[i] / bytes_per_s
+            started_total += started[i]
+            batch_ends.append(started_total)
+            batch_arrivals.append(queue)
+        carried = min(waited[i], ahead)
+        end = max(now, arrival(waited_total + carried) if carried else now) + compute[i]
+        if waited[i] > carried:
+            end = max(end, arrival(waited_total + waited[i]))
+        waited_total += waited[i]
+        lengths[i], now = end - now, end
+    return lengths
+
+
 def core_of_step(grid: tuple[int, ...], semantics: tuple[str, ...], cores: int) -> np.ndarray:
     """Which core runs each grid step: a megacore splits the first
     "parallel" axis longer than one into contiguous halves."""
@@ -181,9 +226,8 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
     child_runs: as `Schedule.step_cycles`. profile: the kernel's
     bench/kernel_profile.KernelProfile, for a kernel whose loops and branches
     depend on its data and which copies what it needs itself: a step's cycles
-    are those of its loops and branches as they ran, and it lasts at least as
-    long as its own copies take (started in its loops, double-buffered there,
-    they are taken to overlap its compute entirely: a lower bound)."""
+    are those of its loops and branches as they ran, its copies as
+    `own_copies_step_seconds` queues them."""
     gen = GENERATIONS[generation]
     if not cost.grid_steps:  # a grid of no steps (a kernel called on an empty part of the batch): it only enters and leaves
         fill_drain = schedule.fill_drain_cycles / gen.clock_hz
@@ -200,10 +244,13 @@ def kernel_seconds(cost, schedule, generation: str, child_runs: dict | None = No
             raise RuntimeError(f"{cost.name}: its profile does not match its compiled loops and branches")
         cycles, whole_program = read
         own_bytes = profile.dma_bytes() + profile.dma_bytes(reads_hbm=False)
-        # (Many copies each, of a page or a block: the latency of the smallest, once.)
-        copies = np.where(own_bytes > 0, own_bytes / (bandwidth / active) + DMA_LATENCY_S, 0.0)
+        waited = profile.waited_bytes()
         issue = step_compute_seconds(cycles, cost, generation)
-        compute = np.maximum(issue, copies)
+        compute = np.empty_like(issue)
+        for c in range(active):
+            # (A step's copies are many, of a page or a block each: the latency of the smallest, once.)
+            compute[core == c] = own_copies_step_seconds(issue[core == c], own_bytes[core == c], waited[core == c],
+                                                         bandwidth / active, DMA_LATENCY_S)
         mapped = True
     else:
         runs = region_runs(cost, schedule)

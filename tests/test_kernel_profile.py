@@ -56,6 +56,8 @@ def test_counts_each_loop_trip_branch_and_dma_per_grid_step():
     assert p.counts[:, when].tolist() == [0, 1, 0]
     assert p.nodes[dma].reads_hbm and p.moved[:, dma].tolist() == [0, 8 * 128 * 4, 0]
     assert p.dma_bytes().tolist() == [0, 8 * 128 * 4, 0]
+    wait = kinds.index(("wait", when, 0))
+    assert p.waited_bytes().tolist() == p.moved[:, wait].tolist() == [0, 8 * 128 * 4, 0]
 
 
 def _dynamic_copy_kernel(n_ref, x_hbm, o_ref, buf, sem):

@@ -181,6 +181,24 @@ def test_pipeline_sum_matches_a_hand_count():
     assert pipeline.pipeline_seconds(compute, fetch, write, 1.0, latency_s=1.0) == 3 + 5 + 11 + 2 + 8
 
 
+def test_a_profiled_kernels_copies_started_a_step_ahead_pay_one_latency():
+    """A profiled kernel's own copies (`own_copies_step_seconds`), at 1 byte/s, latency 1:
+    copying within each step, a step lasts max(compute, latency + bytes) (what every step was
+    charged before the profile saw waits); copying the next step's pages before waiting for its
+    own, the queue never runs dry while copies are the longer part: one latency in all."""
+    compute, copies = np.array([2.0, 1.0, 6.0]), np.array([4, 4, 4])
+    within = pipeline.own_copies_step_seconds(compute, copies, copies, 1.0, 1.0)
+    assert within.tolist() == [5.0, 5.0, 6.0]
+    # Step 0 starts its own and step 1's pages, steps 1 and 2 the next step's; each waits for its own.
+    ahead = pipeline.own_copies_step_seconds(compute, [8, 4, 0], copies, 1.0, 1.0)
+    # step 0 waits for what it started (overlapped: until 1 + 4); step 1's copy arrived at 9,
+    # step 2's at 13 (the queue busy throughout), each computes after its wait.
+    assert ahead.tolist() == [5.0, 9.0 + 1.0 - 5.0, 13.0 + 6.0 - 10.0]
+    assert ahead.sum() == 1 + copies.sum() + compute[-1]
+    # Waits that do not add up to the starts: each step read as waiting for what it started.
+    assert pipeline.own_copies_step_seconds(compute, copies, [1, 1, 1], 1.0, 1.0).tolist() == within.tolist()
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_pipeline_repeats_equal_the_steps_run_back_to_back(steps):
     """The block rule runs one outer tile's steps `repeats` times: the same
