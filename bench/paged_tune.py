@@ -10,7 +10,8 @@ For each generation, head_dim (64, 128, 256), page size (16 to 256) and cache
 dtype (bf16, fp8 e4m3, int8) it rates each kernel's candidates with the
 bench's model (paged_bench.measure: compiled by libtpu for that generation,
 its own schedule, its bytes) on 8 KV heads with 4 query heads each:
-- the decode kernel's keys per chunk, on a decode batch (64 sequences, 8k);
+- the decode kernel's keys per chunk, on two decode batches (64 sequences at 8k, 256 at 2k:
+  their times summed, as a server sees both);
 - the prefill kernel's query rows and keys per chunk, on a prefill batch
   (4 chunks of 512 new tokens, 8k).
 and keeps the fastest that compiles in both cache layouts (smaller blocks are
@@ -50,9 +51,10 @@ RESULTS = harness.BENCH / "results"
 TABLE = harness.REPO / "paged_attention" / "tuned_blocks.py"
 
 
-def rating_batches(page_size: int) -> dict[str, paged_bench.Batch]:
-    return dict(decode=paged_bench.Batch("decode 64 x 8k", 64, 0, 0, 8192, page_size),
-                prefill=paged_bench.Batch("prefill 4 x 512, 8k", 0, 4, 512, 8192, page_size))
+def rating_batches(page_size: int) -> dict[str, list[paged_bench.Batch]]:
+    return dict(decode=[paged_bench.Batch("decode 64 x 8k", 64, 0, 0, 8192, page_size),
+                        paged_bench.Batch("decode 256 x 2k", 256, 0, 0, 2048, page_size)],
+                prefill=[paged_bench.Batch("prefill 4 x 512, 8k", 0, 4, 512, 8192, page_size)])
 
 
 def candidates(kind: str, page_size: int, smaller: bool = False) -> dict[tuple[int, int], BlockSizes]:
@@ -75,7 +77,7 @@ def tune_entry(head_dim: int, page_size: int, cache_dtype: str, generation: str)
     shape = paged_bench.AttentionShape(f"d{head_dim} G{GROUPS}", KV_HEADS * GROUPS, KV_HEADS, head_dim)
     record = dict(key=[head_dim, page_size, cache_dtype], generation=generation, rated=today(),
                   model_revision=pipeline.MODEL_REVISION)
-    for kind, batch in rating_batches(page_size).items():
+    for kind, batches in rating_batches(page_size).items():
         rated, tried = {}, {}
         for smaller in (False, True):
             for choice, blocks in candidates(kind, page_size, smaller).items():
@@ -83,11 +85,9 @@ def tune_entry(head_dim: int, page_size: int, cache_dtype: str, generation: str)
                 if not fits_smem_at_limits(kind, blocks, page_size):
                     rated[choice] = dict(error="step list past SMEM at the table's limits")
                     continue
-                row = paged_bench.measure(shape, batch, generation, jnp.dtype(cache_dtype), blocks)
-                rated[choice] = {k: v for k, v in row.items() if k in (
-                    "modeled_us", "compute_us", "dma_us", "around_us", "vmem_used", "error")}
-                print(f"  {kind} {choice}: " + (f"{row['modeled_us']:.1f} us" if "modeled_us" in row else row["error"]),
-                      flush=True)
+                rated[choice] = rate(shape, batches, generation, cache_dtype, blocks)
+                print(f"  {kind} {choice}: " + (f"{rated[choice]['modeled_us']:.1f} us" if "modeled_us" in rated[choice]
+                                                else rated[choice]["error"]), flush=True)
             if any("modeled_us" in r for r in rated.values()):
                 break
         ok = {c: r for c, r in rated.items() if "modeled_us" in r}
@@ -96,12 +96,24 @@ def tune_entry(head_dim: int, page_size: int, cache_dtype: str, generation: str)
         # The table serves both cache layouts: the fastest candidate that compiles head-major too
         # (whose blocks take VMEM of their own).
         fastest = sorted(ok, key=lambda c: ok[c]["modeled_us"])
-        best = next((c for c in fastest if compiles_head_major(shape, batch, generation, cache_dtype, tried[c])), None)
+        best = next((c for c in fastest if compiles_head_major(shape, batches[0], generation, cache_dtype, tried[c])), None)
         if best is None:
             raise RuntimeError(f"no {kind} candidate compiles head-major for {record['key']} on {generation}")
         record[kind] = dict(best=list(best), vmem_used=ok[best]["vmem_used"],
                             candidates=[dict(choice=list(c), **r) for c, r in rated.items()])
     return record
+
+
+def rate(shape, batches, generation: str, cache_dtype: str, blocks: BlockSizes) -> dict:
+    """One candidate's figures on the batches: each modeled time (`per_batch`) and their sum, or the
+    first batch's error."""
+    rows = [paged_bench.measure(shape, batch, generation, jnp.dtype(cache_dtype), blocks) for batch in batches]
+    failed = next((row for row in rows if "error" in row), None)
+    if failed is not None:
+        return dict(error=failed["error"])
+    summed = {k: sum(row[k] for row in rows) for k in ("modeled_us", "compute_us", "dma_us", "around_us")}
+    return dict(summed, vmem_used=max(row["vmem_used"] for row in rows),
+                per_batch={batch.name: row["modeled_us"] for batch, row in zip(batches, rows)})
 
 
 def compiles_head_major(shape, batch, generation: str, cache_dtype: str, blocks: BlockSizes) -> bool:
@@ -134,7 +146,7 @@ def write_table() -> None:
         "",
         "Key: (head_dim, page_size, cache dtype), as `tuning.table_key` buckets a call; value: (decode",
         "keys, prefill query rows, prefill keys) per block, rows being query tokens times G. Each part is",
-        "the candidate with the lowest MODELED time of its kernel on a decode or a prefill batch, compiled",
+        "the candidate with the lowest MODELED time of its kernel on two decode batches or a prefill batch, compiled",
         "by libtpu for its generation (VMEM used in the comment).",
         '"""',
         "",

@@ -118,7 +118,9 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
     live_blocks = pl.cdiv(cu_q_lens[jnp.minimum(num_seqs, max_seqs)], block_q)
     max_pairs = num_blocks + max_seqs
     p = jnp.arange(max_pairs, dtype=jnp.int32)
-    s = jnp.clip(jnp.searchsorted(seq_pair_end, p, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+    # (searchsorted by comparing every pair, vectorized: its default binary search gathers once per
+    # halving, which XLA runs element by element on a TPU.)
+    s = jnp.clip(jnp.searchsorted(seq_pair_end, p, side="right", method="compare_all"), 0, max_seqs - 1).astype(jnp.int32)
     is_seq_pair = p < total_seq_pairs
     b = jnp.where(is_seq_pair, first_block[s] + p - (seq_pair_end[s] - seq_pairs[s]),
                   live_blocks + p - total_seq_pairs)
@@ -135,7 +137,7 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
     max_steps = step_capacity(num_blocks, max_seqs, num_chunks, only)
     count = jnp.clip(step_end[-1], 0, max_steps)  # inconsistent index arrays cannot run the grid past the arrays
     i = jnp.arange(max_steps, dtype=jnp.int32)
-    pair = jnp.clip(jnp.searchsorted(step_end, i, side="right"), 0, max_pairs - 1)
+    pair = jnp.clip(jnp.searchsorted(step_end, i, side="right", method="compare_all"), 0, max_pairs - 1)
     in_pair = i - (step_end[pair] - steps[pair])
     block = jnp.clip(b[pair], 0, num_blocks - 1)
     if parts == 2:
@@ -145,9 +147,10 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
         part_first, part_count = jnp.stack([0, split]), jnp.stack([split, count - split])
     else:
         part_first, part_count = jnp.zeros((1,), jnp.int32), count[None]
-    return Schedule(block.astype(jnp.int32), jnp.where(is_seq_pair[pair], s[pair], 0).astype(jnp.int32),
+    step_of_seq = pair < total_seq_pairs  # (is_seq_pair[pair], without a gather)
+    return Schedule(block.astype(jnp.int32), jnp.where(step_of_seq, s[pair], 0).astype(jnp.int32),
                     jnp.clip(chunk_first[pair] + in_pair, 0, num_chunks - 1).astype(jnp.int32),
-                    (is_seq_pair[pair] & (i < count)).astype(jnp.int32), part_first.astype(jnp.int32),
+                    (step_of_seq & (i < count)).astype(jnp.int32), part_first.astype(jnp.int32),
                     part_count.astype(jnp.int32))
 
 
@@ -205,7 +208,7 @@ def token_seqs(cu_q_lens, num_seqs, num_tokens: int):
     """[num_tokens] int32 each: the token index, its sequence, and whether that sequence is live."""
     max_seqs = cu_q_lens.shape[0] - 1
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right", method="compare_all").astype(jnp.int32) - 1, 0, max_seqs - 1)
     return t, seq, (t < cu_q_lens[jnp.minimum(num_seqs, max_seqs)]) & (seq < num_seqs)
 
 
