@@ -15,7 +15,8 @@ of a block are consecutive, so its softmax statistics and accumulator stay
 in VMEM from its first step to its last (`ops.make_schedule`, on the
 device). Chunks a block's rows cannot see (past its last token's position,
 before a window) are not on the grid; pages past a sequence's length are
-never copied. A block with no live token gets one step, to write its zeros.
+never copied, and a decode step computes a chunk its sequence fills only in
+part `DECODE_COMPUTE_KEYS` at a time, over the parts its pages fill. A block with no live token gets one step, to write its zeros.
 On a megacore (v5p) the step list is cut in two parts at a block boundary
 near its middle, one per core ("parallel"): each part starts its own chain
 of copies, and a part shorter than the other idles through its last steps
@@ -52,6 +53,9 @@ from ._shared.attention_math import LANES, MASKED, dot, lanes, scores, start_row
 class BlockSizes:
     block_q: int  # query tokens per block (its rows are block_q * G)
     pages_per_block: int  # pages per K/V chunk
+    # Keys a step computes at a time, over the parts of its chunk its pages fill: a multiple of the
+    # page size dividing the chunk. None: DECODE_COMPUTE_KEYS for decode-sized blocks, else the chunk.
+    compute_keys: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,10 @@ class Options:
 # The most query rows (heads together times a block's rows) for which heads sharing a cache word
 # are attended together (`_kernel`); decode blocks have 8 to 16 rows per head, prefill blocks 64 and more.
 TOGETHER_MAX_ROWS = 64
+# Keys a decode step computes at a time, for as many as its chunk's pages hold: a sequence's last
+# chunk, partly filled, costs its pages' work, not a whole chunk's (a decode step's cycles go to
+# loading its keys and values, MODELED). Prefill blocks compute their whole chunk at once.
+DECODE_COMPUTE_KEYS = 256
 PAGES_PER_TRIP = 8  # page copies a loop trip starts: its test and index updates are paid once for them all
 
 
@@ -77,6 +85,19 @@ def lane_tiles(d: int) -> int:
     """Rows a head's key of d lanes takes in the kernel's view of a page: Mosaic's strided load
     wants rows of at most 128 lanes, so a key of 256 lanes is two rows of 128."""
     return d // LANES if d > LANES and d % LANES == 0 else 1
+
+
+def compute_pages(blocks: BlockSizes, page_size: int, rows: int) -> int:
+    """Pages of its chunk a step computes at a time (`BlockSizes.compute_keys`); rows: a block's."""
+    if blocks.compute_keys is not None:
+        pages = blocks.compute_keys // page_size
+        if blocks.compute_keys % page_size or pages < 1 or blocks.pages_per_block % pages:
+            raise ValueError(f"compute_keys={blocks.compute_keys} must be a multiple of the page size ({page_size}) "
+                             f"dividing a chunk's {blocks.pages_per_block * page_size} keys")
+        return pages
+    pages = max(1, DECODE_COMPUTE_KEYS // page_size)
+    # (A chunk cut to a short page table may hold a number of pages the parts do not divide.)
+    return pages if rows <= TOGETHER_MAX_ROWS and blocks.pages_per_block % pages == 0 else blocks.pages_per_block
 
 
 def page_bytes(page_size: int, hkv: int, d: int, dtype) -> int:
@@ -127,11 +148,12 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
     page_rows = lambda buf, into, p: buf.at[into, p]
     pages_rows = lambda buf, into, n: buf.at[into, pl.ds(0, n)]
 
-    def strided_rows(buf, start: int, stride: int):
+    def strided_rows(buf, start: int, stride: int, pages):
         """Rows start, start + stride, ... of this step's token-major chunk ([2, ppb, page rows,
-        lanes] buffers) as [chunk, lanes]: a strided load of whole rows in each page."""
-        rows = buf.at[slot][:, pl.ds(start, page_size, stride=stride), :]
-        return rows.reshape(chunk, rows.shape[-1])
+        lanes] buffers) in `pages` (a pl.ds) as [keys, lanes]: a strided load of whole rows in
+        each page."""
+        rows = buf.at[slot, pages][:, pl.ds(start, page_size, stride=stride), :]
+        return rows.reshape(pages.size * page_size, rows.shape[-1])
 
     unroll = min(PAGES_PER_TRIP, ppb)
 
@@ -196,20 +218,19 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         hi_cols[...] = jnp.broadcast_to(hi_ref[...], hi_cols.shape)
         start_rows(m_ref, l_ref, acc_ref, sink_ref, opts.has_sinks)
 
-    def zero_unfilled_values(seq, first):
-        """V rows no copy of this step filled (pages before the sequence's window or past its end,
-        the last page's rows past its end) hold what an earlier chunk, the cache's unwritten slots
-        or uninitialised VMEM left: their scores are masked, but 0 * NaN is not 0, so they are
-        zeroed in place (garbage K only reaches masked scores). A chunk the sequence fills
-        writes nothing."""
-        page_first, page_end = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
+    def zero_unfilled_values(seq, first, page_first, page_end, read_first, read_end):
+        """V rows no copy of this step filled that its compute reads (pages read_first <= p <
+        read_end before the sequence's window or past its end, the last page's rows past its
+        end) hold what an earlier chunk, the cache's unwritten slots or uninitialised VMEM left:
+        their scores are masked, but 0 * NaN is not 0, so they are zeroed in place (garbage K
+        only reaches masked scores). A chunk the sequence fills writes nothing."""
 
         def zero_page(p):
             page = page_rows(v_buf, slot, p)
             page[...] = jnp.zeros(page.shape, page.dtype)
 
-        loop(page_first, zero_page)
-        loop(ppb - page_end, lambda j: zero_page(page_end + j))
+        loop(page_first - read_first, lambda j: zero_page(read_first + j))
+        loop(read_end - page_end, lambda j: zero_page(page_end + j))
         filled = kv_lens[seq] - first - (page_end - 1) * page_size  # tokens of the last page copied
 
         @pl.when((page_end > page_first) & (filled < page_size))
@@ -238,66 +259,86 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
         one_row_heads = k_buf.shape[-2] == page_size * hkv and v_buf.shape[-2] == page_size * hkv
         together = (packing if not opts.head_major and one_row_heads and hkv % packing == 0 and hkv > 1
                     and k_buf.dtype == v_buf.dtype and packing * rows <= TOGETHER_MAX_ROWS else 1)
-        width = together * chunk
-        cols = jax.lax.broadcasted_iota(jnp.int32, (together * rows, width), 1)
-        bound = lambda ref, shift: lanes(jnp.tile(ref[...] - first_key + shift, (together, 1)) * together, width)
-        visible = (cols >= bound(lo_cols, 0)) & (cols < bound(hi_cols, 1))
-        if together > 1:
-            row_head = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 0) // rows
-            visible &= cols % together == row_head
+        part_pages = compute_pages(blocks, page_size, rows)
+        page_first, page_end = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
+        part_first, part_end = page_first // part_pages, pl.cdiv(page_end, part_pages)
         # Value rows no copy filled must not reach the PV matmul (0 * NaN is not 0): zeroed in VMEM
         # once per partial chunk (`zero_unfilled_values`), or, for a head-major cache of 16 or 32
         # bits, masked as each head's values are read (there the mask rides on whole-tile loads and
         # the zeroing's stores cost more, MODELED on tpu7x).
-        stored = None
-        if opts.head_major and v_buf.dtype.itemsize > 1:
-            page_first, _ = chunk_pages(kv_lens[seq], window_start(seq), step_chunk[g], ppb, page_size)
-            key = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-            stored = key < kv_lens[seq] - first
-            if opts.windowed:
-                stored &= key >= page_first * page_size
-        else:
-            zero_unfilled_values(seq, first)
+        masks_values = opts.head_major and v_buf.dtype.itemsize > 1
+        if not masks_values:
+            read = (0, ppb) if part_pages == ppb else (part_first * part_pages, part_end * part_pages)
+            zero_unfilled_values(seq, first, page_first, page_end, *read)
 
-        def head_rows(buf, h):
-            """Keys (or values) of the chunk for heads h .. h + together - 1. Head-major pages:
-            whole tiles of each page. Token-major: every hkv-th row (or word), one strided load
-            per 128 lanes (`lane_tiles`), no relayout. (Through .at[slot]: Mosaic refuses a
-            dynamic index beside a strided one on packed dtypes.)"""
+        def head_rows(buf, h, pages):
+            """Keys (or values) of the chunk's `pages` (a pl.ds) for heads h .. h + together - 1.
+            Head-major pages: whole tiles of each page. Token-major: every hkv-th row (or word),
+            one strided load per 128 lanes (`lane_tiles`), no relayout. (Through .at[slot]:
+            Mosaic refuses a dynamic index beside a strided one on packed dtypes.)"""
             if opts.head_major:
-                return buf.at[slot][:, h].reshape(chunk, buf.shape[-1])
+                return buf.at[slot, pages][:, h].reshape(pages.size * page_size, buf.shape[-1])
             n = buf.shape[2] // (page_size * hkv)
             if together > 1:
-                words = strided_rows(buf.bitcast(jnp.uint32), h // together, hkv // together)
+                words = strided_rows(buf.bitcast(jnp.uint32), h // together, hkv // together, pages)
                 return pltpu.bitcast(words, buf.dtype)
-            parts = [strided_rows(buf, h * n + j, hkv * n) for j in range(n)]
+            parts = [strided_rows(buf, h * n + j, hkv * n, pages) for j in range(n)]
             return parts[0] if n == 1 else jnp.concatenate(parts, axis=1)
 
         stack = lambda values: values[0] if together == 1 else jnp.concatenate(values, axis=0)
         score_scale = opts.scale * kv_scales[0]
-        for h0 in range(0, hkv, together):  # the KV heads: a page holds them all, head-minor
-            heads = range(h0, h0 + together)
-            q = stack([q_ref[h] for h in heads])
-            # An 8-bit cache goes into bf16 products as stored: Mosaic widens it on its way into the
-            # MXU, where widening an fp8 chunk first, in the vector units, costs v6e about as much
-            # again as the chunk's products. f32 products take it widened (exactly).
-            k, v = (rows_ if q.dtype == jnp.bfloat16 and rows_.dtype.itemsize == 1 else rows_.astype(q.dtype)
-                    for rows_ in (head_rows(k_buf, h0), head_rows(v_buf, h0)))
-            if stored is not None:
-                v = jnp.where(stored, v, 0)
-            s = jnp.where(visible, scores(q, k, score_scale, opts.softcap)[0], MASKED)
-            m_prev = stack([m_ref[h] for h in heads])
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            # A row that has seen no key yet (m_new still MASKED) gets p = 1 for its hidden keys here:
-            # the first key it sees scales them away (alpha = 0), and _finish zeroes a row that sees none.
-            p = jnp.exp2(s - lanes(m_new, width))
-            alpha = jnp.exp2(m_prev - m_new)
-            l_new = alpha * stack([l_ref[h] for h in heads]) + jnp.sum(p, axis=1, keepdims=True)
-            acc_new = (lanes(alpha, acc_ref.shape[2]) * stack([acc_ref[h] for h in heads])
-                       + dot(p.astype(q.dtype), v, 1, 0))
-            for e, h in enumerate(heads):
-                cut = slice(e * rows, (e + 1) * rows)
-                m_ref[h], l_ref[h], acc_ref[h] = m_new[cut], l_new[cut], acc_new[cut]
+
+        def attend(first_page, num_pages: int):
+            """The online-softmax update of every head over the chunk's pages first_page ..
+            first_page + num_pages - 1."""
+            key0 = first_page * page_size
+            width = together * num_pages * page_size
+            cols = jax.lax.broadcasted_iota(jnp.int32, (together * rows, width), 1)
+            bound = lambda ref, shift: lanes(jnp.tile(ref[...] - (first_key + key0) + shift, (together, 1)) * together,
+                                             width)
+            visible = (cols >= bound(lo_cols, 0)) & (cols < bound(hi_cols, 1))
+            if together > 1:
+                row_head = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 0) // rows
+                visible &= cols % together == row_head
+            stored = None
+            if masks_values:
+                key = jax.lax.broadcasted_iota(jnp.int32, (num_pages * page_size, 1), 0) + key0
+                stored = key < kv_lens[seq] - first
+                if opts.windowed:
+                    stored &= key >= page_first * page_size
+            pages = pl.ds(first_page, num_pages)
+            for h0 in range(0, hkv, together):  # the KV heads: a page holds them all, head-minor
+                heads = range(h0, h0 + together)
+                q = stack([q_ref[h] for h in heads])
+                # An 8-bit cache goes into bf16 products as stored: Mosaic widens it on its way into
+                # the MXU, where widening an fp8 chunk first, in the vector units, costs v6e about as
+                # much again as the chunk's products. f32 products take it widened (exactly).
+                k, v = (rows_ if q.dtype == jnp.bfloat16 and rows_.dtype.itemsize == 1 else rows_.astype(q.dtype)
+                        for rows_ in (head_rows(k_buf, h0, pages), head_rows(v_buf, h0, pages)))
+                if stored is not None:
+                    v = jnp.where(stored, v, 0)
+                s = jnp.where(visible, scores(q, k, score_scale, opts.softcap)[0], MASKED)
+                m_prev = stack([m_ref[h] for h in heads])
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                # A row that has seen no key yet (m_new still MASKED) gets p = 1 for its hidden keys
+                # here: the first key it sees scales them away (alpha = 0), and _finish zeroes a row
+                # that sees none.
+                p = jnp.exp2(s - lanes(m_new, width))
+                alpha = jnp.exp2(m_prev - m_new)
+                l_new = alpha * stack([l_ref[h] for h in heads]) + jnp.sum(p, axis=1, keepdims=True)
+                acc_new = (lanes(alpha, acc_ref.shape[2]) * stack([acc_ref[h] for h in heads])
+                           + dot(p.astype(q.dtype), v, 1, 0))
+                for e, h in enumerate(heads):
+                    cut = slice(e * rows, (e + 1) * rows)
+                    m_ref[h], l_ref[h], acc_ref[h] = m_new[cut], l_new[cut], acc_new[cut]
+
+        if part_pages == ppb:
+            attend(0, ppb)
+        else:
+            # A chunk its sequence fills is computed whole (one part at a time costs more per key).
+            whole = (page_first == 0) & (page_end == ppb)
+            pl.when(whole)(lambda: attend(0, ppb))
+            pl.when(~whole)(lambda: loop(part_end - part_first, lambda j: attend((part_first + j) * part_pages, part_pages)))
 
     @pl.when(last_of_block)
     def _finish():

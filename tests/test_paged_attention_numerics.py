@@ -132,6 +132,18 @@ TPU_INTERPRETER_BITCAST = pytest.mark.xfail(raises=jax.errors.JaxRuntimeError, s
                                             reason="the TPU interpreter reads no bitcast view in jax 0.10.2")
 
 
+def _unheld_slots_nan(args):
+    """args with every cache slot no live sequence holds NaN: a part of a chunk computed past its
+    sequence's pages, or a value row left unzeroed, puts NaN in the output."""
+    q, k, v, kv_lens, page_indices, *rest = args
+    held = np.zeros(k.shape[:2], bool)
+    for length, pages in zip(np.asarray(kv_lens)[:args[6]], np.asarray(page_indices)):
+        positions = np.arange(length)
+        held[pages[positions // k.shape[1]], positions % k.shape[1]] = True
+    k, v = (jnp.where(held[:, :, None, None], x, jnp.nan).astype(x.dtype) for x in (k, v))
+    return (q, k, v, kv_lens, page_indices, *rest)
+
+
 @pytest.mark.parametrize("cache_dtype,interpret", [
     (jnp.bfloat16, True), (jnp.float8_e4m3fn, True), (jnp.int8, True),
     pytest.param(jnp.bfloat16, "tpu", marks=TPU_INTERPRETER_BITCAST)],
@@ -150,14 +162,8 @@ def test_heads_sharing_a_cache_word(cache_dtype, interpret):
             rng = np.random.default_rng(7)
             k, v = (jnp.asarray(rng.integers(-127, 128, x.shape), jnp.int8) for x in (k, v))
         args, scales = (q, k, v, *rest), dict(k_scale=0.011, v_scale=0.017)
-    if cache_dtype != jnp.int8:  # every slot no sequence holds is NaN: a page's rows past its sequence's end are read
-        q, k, v, kv_lens, page_indices, *rest = args  # with it, and must not reach the output (0 * NaN)
-        held = np.zeros(k.shape[:2], bool)
-        for length, pages in zip(np.asarray(kv_lens)[:args[6]], np.asarray(page_indices)):
-            positions = np.arange(length)
-            held[pages[positions // k.shape[1]], positions % k.shape[1]] = True
-        k, v = (jnp.where(held[:, :, None, None], x, jnp.nan).astype(x.dtype) for x in (k, v))
-        args = (q, k, v, kv_lens, page_indices, *rest)
+    if cache_dtype != jnp.int8:  # a page's rows past its sequence's end are read with it: they must not reach
+        args = _unheld_slots_nan(args)  # the output (0 * NaN)
     if interpret == "tpu":
         interpret = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
     out = ops.ragged_paged_attention(*args, blocks=WORD_HEADS[7], interpret=interpret, **options, **scales)
@@ -167,6 +173,45 @@ def test_heads_sharing_a_cache_word(cache_dtype, interpret):
     expected = reference.ragged_paged_attention(*args, **options, **scales)
     largest_v = float(np.nanmax(np.abs(np.asarray(args[2]).astype(np.float64)))) * scales.get("v_scale", 1.0)  # held ones
     assert max_error(out, expected) <= 2**-8 * largest_v
+
+
+# Chunks of 8 pages computed 2 pages at a time (`BlockSizes.compute_keys`): sequences ending mid-part,
+# mid-chunk, on a chunk's end, after a few keys; a window starting in a later part of a chunk.
+PARTS = ("decode_parts", [1, 1, 1, 1, 3], [5, 40, 97, 128, 60], 8, 2, 64, 16, BlockSizes(4, 8, compute_keys=32), {})
+
+
+@pytest.mark.parametrize("window", [None, 50], ids=["no_window", "window"])
+@pytest.mark.parametrize("cache_layout", ["token_major", "head_major"])
+def test_a_chunk_is_computed_in_the_parts_its_pages_fill(cache_layout, window):
+    """fp32, against the reference, the slots no sequence holds NaN: only the parts of a chunk
+    that hold a sequence's keys are computed, the unfilled rows of those parts zeroed."""
+    args, options = _inputs(PARTS, jnp.float32)
+    args = _unheld_slots_nan(args)
+    options = dict(options, sliding_window=window)
+    q, k, v, *rest = args
+    caches = (_head_major(k), _head_major(v)) if cache_layout == "head_major" else (k, v)
+    out = ops.ragged_paged_attention(q, *caches, *rest, blocks=PARTS[7], cache_layout=cache_layout, **options)
+    expected = reference.ragged_paged_attention(*args, **options)
+    assert max_error(out, expected) <= FP32_TOLERANCE * max_abs(expected)
+
+
+def test_chunk_parts_pass_the_tpu_interpreter():
+    """The parts loop under the TPU interpreter: no race, no read past the chunk's buffer, no
+    uninitialised row reaching the output (NaN here)."""
+    args, options = _inputs(PARTS, jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    out = ops.ragged_paged_attention(*args, blocks=PARTS[7], interpret=params, sliding_window=50, **options)
+    assert tpu_interpreter.races.races_found is False
+    pltpu.reset_tpu_interpret_mode_state()
+    expected = reference.ragged_paged_attention(*args, sliding_window=50, **options)
+    assert max_error(out, expected) <= FP32_TOLERANCE * max_abs(expected)
+
+
+def test_compute_keys_that_do_not_divide_a_chunk_raise():
+    args, _ = _inputs(PARTS, jnp.float32)
+    for keys in (24, 48, 0):
+        with pytest.raises(ValueError, match="compute_keys"):
+            ops.ragged_paged_attention(*args, blocks=BlockSizes(4, 8, compute_keys=keys))
 
 
 def test_chunks_longer_than_the_page_table_stay_in_their_sequence():
