@@ -528,7 +528,9 @@ def main(argv=None) -> int:
     parser.add_argument("--generations", nargs="*", default=list(BENCH_GENERATIONS), choices=list(GENERATIONS))
     parser.add_argument("--caches", nargs="*", default=["bfloat16", "float8_e4m3fn"], help="our cache dtypes")
     parser.add_argument("--layouts", nargs="*", default=list(OURS), choices=list(OURS), help="our cache layouts")
-    parser.add_argument("--no-anchors", dest="anchors", action="store_false", help="our kernels only")
+    parser.add_argument("--no-anchors", dest="anchors", action="store_const", const=[], default=list(ANCHORS),
+                        help="our kernels only")
+    parser.add_argument("--anchors", nargs="*", choices=list(ANCHORS), help="only these anchors")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -537,7 +539,7 @@ def main(argv=None) -> int:
     for shape in (s for s in SHAPES if s.model in args.models):
         for batch in (b for b in BATCHES if b.name in args.batches):
             for generation in args.generations:
-                anchors = [(impl, "bfloat16") for impl in ANCHORS] * args.anchors
+                anchors = [(impl, "bfloat16") for impl in args.anchors]
                 for impl, cache in [(OURS[l], c) for l in args.layouts for c in args.caches] + anchors:
                     layout = next((l for l, name in OURS.items() if name == impl), None)
                     figures = (ANCHORS[impl](shape, batch, generation) if layout is None

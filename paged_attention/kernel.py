@@ -16,7 +16,8 @@ in VMEM from its first step to its last (`ops.make_schedule`, on the
 device). Chunks a block's rows cannot see (past its last token's position,
 before a window) are not on the grid; pages past a sequence's length are
 never copied, and a decode step computes a chunk its sequence fills only in
-part `DECODE_COMPUTE_KEYS` at a time, over the parts its pages fill. A block with no live token gets one step, to write its zeros.
+part `DECODE_COMPUTE_KEYS` at a time, over the parts its pages fill. A block
+with no live token gets one step, to write its zeros.
 On a megacore (v5p) the step list is cut in two parts at a block boundary
 near its middle, one per core ("parallel"): each part starts its own chain
 of copies, and a part shorter than the other idles through its last steps
@@ -53,8 +54,9 @@ from ._shared.attention_math import LANES, MASKED, dot, lanes, scores, start_row
 class BlockSizes:
     block_q: int  # query tokens per block (its rows are block_q * G)
     pages_per_block: int  # pages per K/V chunk
-    # Keys a step computes at a time, over the parts of its chunk its pages fill: a multiple of the
-    # page size dividing the chunk. None: DECODE_COMPUTE_KEYS for decode-sized blocks, else the chunk.
+    # Keys a step computes at a time in a chunk its sequence fills only in part, over the parts its
+    # pages fill (a full chunk is computed at once): a multiple of the page size dividing the chunk.
+    # None: DECODE_COMPUTE_KEYS for decode-sized blocks, else the whole chunk.
     compute_keys: int | None = None
 
 
@@ -74,9 +76,9 @@ class Options:
 # The most query rows (heads together times a block's rows) for which heads sharing a cache word
 # are attended together (`_kernel`); decode blocks have 8 to 16 rows per head, prefill blocks 64 and more.
 TOGETHER_MAX_ROWS = 64
-# Keys a decode step computes at a time, for as many as its chunk's pages hold: a sequence's last
-# chunk, partly filled, costs its pages' work, not a whole chunk's (a decode step's cycles go to
-# loading its keys and values, MODELED). Prefill blocks compute their whole chunk at once.
+# Keys a decode step computes at a time in a chunk its sequence fills only in part (its last), for
+# as many as its pages hold: that chunk costs its pages' work, not a whole chunk's (a decode step's
+# cycles go to loading its keys and values, MODELED). Prefill blocks compute their whole chunk.
 DECODE_COMPUTE_KEYS = 256
 PAGES_PER_TRIP = 8  # page copies a loop trip starts: its test and index updates are paid once for them all
 
@@ -338,7 +340,8 @@ def _kernel(part_first, part_count, step_block, step_seq, step_chunk, step_works
             # A chunk its sequence fills is computed whole (one part at a time costs more per key).
             whole = (page_first == 0) & (page_end == ppb)
             pl.when(whole)(lambda: attend(0, ppb))
-            pl.when(~whole)(lambda: loop(part_end - part_first, lambda j: attend((part_first + j) * part_pages, part_pages)))
+            pl.when(~whole)(lambda: loop(part_end - part_first,
+                                         lambda j: attend((part_first + j) * part_pages, part_pages)))
 
     @pl.when(last_of_block)
     def _finish():
