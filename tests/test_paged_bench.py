@@ -5,6 +5,7 @@ import json
 import os
 import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ import paged_bench
 import sampling
 import tpu_schedule
 from paged_attention import tuning
+from paged_attention.kernel import BlockSizes
 from runtime.generations import GENERATIONS
 
 # The checks below compile (minutes of libtpu each): `make test` models our kernels on v6e, `make
@@ -149,6 +151,27 @@ def test_our_page_loops_count_each_trip(generation):
     assert long["page_copy_bytes"] * pages[0] == short["page_copy_bytes"] * pages[1]
     extra_cycles = (long["compute_us"] - short["compute_us"]) * 1e-6 * clock
     assert extra_cycles >= 16 * (pages[1] - pages[0])
+
+
+def test_our_decode_waits_for_the_pages_its_previous_step_started():
+    """The profile of our decode kernel (no compile): each step starts the next step's pages
+    before it waits for its own, so every step after the first waits for exactly the bytes the
+    step before it started, and the waits add up to the starts: the model queues them across steps
+    (`pipeline.own_copies_step_seconds`), a copy's latency paid where the queue runs dry."""
+    import kernel_profile
+
+    shape, batch = paged_bench.SHAPES[0], paged_bench.Batch("decode 8 x 1k", 8, 0, 0, 1024)
+    routing = batch.routing()
+    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
+            *paged_bench.cache_specs(shape, routing, batch, jnp.bfloat16), ((shape.q_heads,), jnp.float32)]
+    index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
+    fn = paged_bench.ours(shape, routing, "v6e", jnp.bfloat16, BlockSizes(2, 16))  # 256-key chunks
+    (profile,) = kernel_profile.profile(fn, *paged_bench.profile_args(data, index, (1, 2), routing))
+    started, waited = profile.dma_bytes(), profile.waited_bytes()
+    steps = np.flatnonzero(waited)
+    assert len(steps) > 8 and waited.sum() == started.sum() > 0
+    assert started[steps[0]] == waited[steps[0]] + waited[steps[1]]  # the first step starts its own pages too
+    np.testing.assert_array_equal(waited[steps[2:]], started[steps[1:-1]])
 
 
 def test_goals_name_each_decode_row_an_8bit_cache_misses():
