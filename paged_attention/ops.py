@@ -134,7 +134,7 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
     chunk_last = jnp.clip(pos_last // chunk, 0, num_chunks - 1)
     steps = jnp.where(is_seq_pair, jnp.maximum(chunk_last - chunk_first + 1, 1), is_pad_pair.astype(jnp.int32))
     step_end = jnp.cumsum(steps)
-    max_steps = step_capacity(num_blocks, max_seqs, num_chunks, only)
+    max_steps = step_capacity(num_blocks, max_seqs, pair_chunks(num_chunks, chunk, block_q, sliding_window, only), only)
     count = jnp.clip(step_end[-1], 0, max_steps)  # inconsistent index arrays cannot run the grid past the arrays
     i = jnp.arange(max_steps, dtype=jnp.int32)
     pair = jnp.clip(jnp.searchsorted(step_end, i, side="right", method="compare_all"), 0, max_pairs - 1)
@@ -157,10 +157,21 @@ def make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int, c
 SMEM_RESERVE = 16 << 10  # left to Mosaic's own scalars
 
 
+def pair_chunks(num_chunks: int, chunk: int, block_q: int, sliding_window: int | None, only: str | None) -> int:
+    """The most chunks of `chunk` keys a pair (query block, sequence) steps through: every chunk,
+    or under a sliding window those its rows' windows span (a block's rows span block_q positions,
+    a decode pair's one; the window's first key and the last row's position may each fall in a
+    chunk of their own)."""
+    if not sliding_window:
+        return num_chunks
+    span = (1 if only == "decode" else block_q) - 1 + sliding_window - 1  # keys from the first seen to the last
+    return min(num_chunks, span // chunk + 2)
+
+
 def step_capacity(num_blocks: int, max_seqs: int, num_chunks: int, only: str | None) -> int:
     """The steps a call can have (`make_schedule`): a pair (query block, sequence) walks up to
-    every chunk, and a sequence's tokens span at most one more block than the blocks they fill;
-    a decode sequence is one pair."""
+    num_chunks chunks (`pair_chunks`), and a sequence's tokens span at most one more block than
+    the blocks they fill; a decode sequence is one pair."""
     return max_seqs * num_chunks if only == "decode" else (num_blocks + max_seqs) * num_chunks
 
 
@@ -172,12 +183,12 @@ def smem_bytes(num_blocks: int, max_seqs: int, num_chunks: int, pages_per_block:
 
 
 def fit_step_list_to_smem(blocks: BlockSizes, num_tokens: int, max_seqs: int, pages_per_seq: int,
-                          only: str) -> BlockSizes:
-    """The default path's blocks with the chunk doubled until the step list fits SMEM: a sliding
-    window's short chunks over a long page table (gpt-oss's window of 128 with 256 sequences of
-    32k) would otherwise list more steps than SMEM holds. Explicit blocks are never changed."""
+                          only: str, page_size: int, sliding_window: int | None = None) -> BlockSizes:
+    """The default path's blocks with the chunk doubled until the step list fits SMEM: short
+    chunks over a long page table (256 sequences of 128k) would otherwise list more steps than
+    SMEM holds. Explicit blocks are never changed."""
     def need(pages):
-        chunks = -(-pages_per_seq // pages)
+        chunks = pair_chunks(-(-pages_per_seq // pages), pages * page_size, blocks.block_q, sliding_window, only)
         return smem_bytes(-(-max(num_tokens, 1) // blocks.block_q), max_seqs, chunks, pages, only)
 
     pages = blocks.pages_per_block
@@ -357,7 +368,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens
         _, seq, live = token_seqs(cu_q_lens, run_seqs, t)
         single = (cu_q_lens[seq + 1] - cu_q_lens[seq] == 1)[:, None, None]
         # The prefill kernel first: its step list is the longer, so an SMEM refusal names its count.
-        fit = lambda blocks, only: fit_step_list_to_smem(blocks, t, kv_lens.shape[0], page_indices.shape[1], only)
+        fit = lambda blocks, only: fit_step_list_to_smem(blocks, t, kv_lens.shape[0], page_indices.shape[1], only,
+                                                         page_size, sliding_window)
         prefill = attend(fit(tuning.prefill_blocks(*table), "prefill"), "prefill")
         out = jnp.where(single, attend(fit(tuning.decode_blocks(*table), "decode"), "decode"), prefill)
         out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
@@ -380,7 +392,9 @@ def _attend(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sin
     page_chunks = jnp.pad(page_indices, ((0, 0), (0, chunks * blocks.pages_per_block - page_indices.shape[1])))
     page_chunks = page_chunks.reshape(page_indices.shape[0], chunks, 1, blocks.pages_per_block)
     num_blocks = num_tokens // blocks.block_q
-    check_step_list_fits_smem(num_blocks, kv_lens.shape[0], chunks, blocks.pages_per_block, only)
+    check_step_list_fits_smem(num_blocks, kv_lens.shape[0],
+                              pair_chunks(chunks, blocks.pages_per_block * page_size, blocks.block_q, sliding_window, only),
+                              blocks.pages_per_block, only)
     schedule = make_schedule(cu_q_lens, kv_lens, num_seqs, num_tokens, blocks.block_q,
                              blocks.pages_per_block * page_size, chunks, sliding_window,
                              parts_for(generation, num_blocks), only)

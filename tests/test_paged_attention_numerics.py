@@ -207,6 +207,24 @@ def test_chunk_parts_pass_the_tpu_interpreter():
     assert max_error(out, expected) <= FP32_TOLERANCE * max_abs(expected)
 
 
+def test_a_pairs_chunks_under_a_window_are_at_most_pair_chunks():
+    """The step list's capacity under a sliding window (`ops.pair_chunks`) bounds the chunks of
+    every pair: rows at every position a block can hold, windows of every width up to three
+    chunks, counted as make_schedule counts them (a capacity short of a pair's chunks would cut
+    the step list)."""
+    chunk, num_chunks = 32, 64
+    for block_q, only in ((1, "decode"), (8, "prefill"), (8, None), (40, "prefill")):
+        for window in range(1, 3 * chunk + 2):
+            bound = ops.pair_chunks(num_chunks, chunk, block_q, window, only)
+            worst = 0
+            for pos_first in range(0, 4 * chunk):
+                pos_last = pos_first + block_q - 1
+                first = max(pos_first - window + 1, 0) // chunk
+                worst = max(worst, pos_last // chunk - first + 1)
+            assert worst <= bound, (block_q, window, worst, bound)
+            assert bound <= worst + 1  # and it is not much looser
+
+
 def test_compute_keys_that_do_not_divide_a_chunk_raise():
     args, _ = _inputs(PARTS, jnp.float32)
     for keys in (24, 48, 0):

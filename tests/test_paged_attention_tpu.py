@@ -145,18 +145,42 @@ def check_serving_step_list_fits_smem(blocks: BlockSizes, pages_per_seq: int, on
                                   -(-pages_per_seq // blocks.pages_per_block), blocks.pages_per_block, only)
 
 
+def check_serving_step_list_fits_smem_windowed(blocks: BlockSizes, pages_per_seq: int, only: str, page_size: int,
+                                             window: int | None) -> None:
+    """As check_serving_step_list_fits_smem, under a sliding window: the chunks a pair's windows span."""
+    chunks = ops.pair_chunks(-(-pages_per_seq // blocks.pages_per_block), blocks.pages_per_block * page_size,
+                             blocks.block_q, window, only)
+    ops.check_step_list_fits_smem(-(-SERVING["tokens"] // blocks.block_q), SERVING["seqs"], chunks,
+                                  blocks.pages_per_block, only)
+
+
 @pytest.mark.parametrize("only,choose", [("decode", tuning.decode_blocks), ("prefill", tuning.prefill_blocks)])
-def test_window_chunks_grow_until_the_step_list_fits_smem(only, choose):
-    """gpt-oss's window of 128 at SERVING: window-sized chunks over a 32k page table list more
-    steps than SMEM holds; the default path doubles them to the first size that fits."""
+def test_window_chunks_fit_smem_as_they_are(only, choose):
+    """gpt-oss's window of 128 at SERVING: a pair steps only through the chunks its windows span,
+    so window-sized chunks over a 32k page table fit SMEM as they are (listed for every chunk of
+    the page table, they would not)."""
     pages_per_seq = SERVING["context"] // 32
     window_blocks = choose(8, 32, pages_per_seq, 64, jnp.int8, "v5e", 128)
-    args = (SERVING["tokens"], SERVING["seqs"], pages_per_seq, only)
-    blocks = ops.fit_step_list_to_smem(window_blocks, *args)
+    assert ops.fit_step_list_to_smem(window_blocks, SERVING["tokens"], SERVING["seqs"], pages_per_seq, only,
+                                     32, 128) == window_blocks
+    check_serving_step_list_fits_smem_windowed(window_blocks, pages_per_seq, only, 32, 128)
+    with pytest.raises(ValueError, match="SMEM"):
+        check_serving_step_list_fits_smem_windowed(window_blocks, pages_per_seq, only, 32, None)
+
+
+@pytest.mark.parametrize("only,choose", [("decode", tuning.decode_blocks), ("prefill", tuning.prefill_blocks)])
+def test_chunks_grow_until_the_step_list_fits_smem(only, choose):
+    """A 128k page table at SERVING's tokens and sequences: 16-token pages in chunks of the
+    default's keys list more steps than SMEM holds; the default path doubles them to the first
+    size that fits."""
+    pages_per_seq = 4 * SERVING["context"] // 16
+    small = dataclasses.replace(choose(8, 16, pages_per_seq, 64, jnp.int8, "v5e"), pages_per_block=16)
+    args = (SERVING["tokens"], SERVING["seqs"], pages_per_seq, only, 16)
+    blocks = ops.fit_step_list_to_smem(small, *args)
     check = lambda b: check_serving_step_list_fits_smem(b, pages_per_seq, only)
     check(blocks)
     with pytest.raises(ValueError, match="SMEM"):
-        check(window_blocks)
+        check(small)
     with pytest.raises(ValueError, match="SMEM"):
         check(dataclasses.replace(blocks, pages_per_block=blocks.pages_per_block // 2))
     assert ops.fit_step_list_to_smem(blocks, *args) == blocks  # blocks that fit stay as they are
