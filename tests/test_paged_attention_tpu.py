@@ -139,15 +139,10 @@ def test_tuned_entries_fit_smem_at_serving_limits(generation, key):
                                           only)
 
 
-def check_serving_step_list_fits_smem(blocks: BlockSizes, pages_per_seq: int, only: str) -> None:
-    """ops' SMEM check for a call at SERVING in `blocks`: raises ValueError where it does not fit."""
-    ops.check_step_list_fits_smem(-(-SERVING["tokens"] // blocks.block_q), SERVING["seqs"],
-                                  -(-pages_per_seq // blocks.pages_per_block), blocks.pages_per_block, only)
-
-
-def check_serving_step_list_fits_smem_windowed(blocks: BlockSizes, pages_per_seq: int, only: str, page_size: int,
-                                             window: int | None) -> None:
-    """As check_serving_step_list_fits_smem, under a sliding window: the chunks a pair's windows span."""
+def check_serving_step_list_fits_smem(blocks: BlockSizes, pages_per_seq: int, only: str, page_size: int = 16,
+                                      window: int | None = None) -> None:
+    """ops' SMEM check for a call at SERVING in `blocks` (under a sliding window: the chunks a
+    pair's windows span): raises ValueError where it does not fit."""
     chunks = ops.pair_chunks(-(-pages_per_seq // blocks.pages_per_block), blocks.pages_per_block * page_size,
                              blocks.block_q, window, only)
     ops.check_step_list_fits_smem(-(-SERVING["tokens"] // blocks.block_q), SERVING["seqs"], chunks,
@@ -163,9 +158,9 @@ def test_window_chunks_fit_smem_as_they_are(only, choose):
     window_blocks = choose(8, 32, pages_per_seq, 64, jnp.int8, "v5e", 128)
     assert ops.fit_step_list_to_smem(window_blocks, SERVING["tokens"], SERVING["seqs"], pages_per_seq, only,
                                      32, 128) == window_blocks
-    check_serving_step_list_fits_smem_windowed(window_blocks, pages_per_seq, only, 32, 128)
+    check_serving_step_list_fits_smem(window_blocks, pages_per_seq, only, 32, 128)
     with pytest.raises(ValueError, match="SMEM"):
-        check_serving_step_list_fits_smem_windowed(window_blocks, pages_per_seq, only, 32, None)
+        check_serving_step_list_fits_smem(window_blocks, pages_per_seq, only, 32)
 
 
 @pytest.mark.parametrize("only,choose", [("decode", tuning.decode_blocks), ("prefill", tuning.prefill_blocks)])
