@@ -137,16 +137,22 @@ def ours(shape: AttentionShape, routing: dict, generation: str, cache_dtype, blo
     return fn
 
 
+def our_inputs(shape: AttentionShape, batch: Batch, cache_dtype, cache_layout="token_major"):
+    """(routing, data, index) of our kernel on the batch (`ours`' arguments): data the arrays'
+    (shape, dtype[, layout]), index the index arrays."""
+    routing = batch.routing()
+    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
+            *cache_specs(shape, routing, batch, cache_dtype, cache_layout), ((shape.q_heads,), jnp.float32)]
+    return routing, data, [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
+
+
 def measure(shape: AttentionShape, batch: Batch, generation: str, cache_dtype=jnp.bfloat16, blocks=None,
             cache_layout="token_major") -> dict:
     """Our kernels' compile, bytes and modeled time on one batch (blocks None: the default path,
     decode sequences and the others in kernels of their own). A step copies and waits for its
     chunk's pages in loops whose trips are the pages it needs: counted as they run, as the anchors'
     (`measure_profiled`)."""
-    routing = batch.routing()
-    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
-            *cache_specs(shape, routing, batch, cache_dtype, cache_layout), ((shape.q_heads,), jnp.float32)]
-    index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
+    routing, data, index = our_inputs(shape, batch, cache_dtype, cache_layout)
     fn = ours(shape, routing, generation, cache_dtype, blocks, cache_layout)
     def tiling(eqn, cost):
         blocks = _blocks_of(eqn, shape)

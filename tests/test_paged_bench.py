@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import harness
+import kernel_profile
 import paged_bench
 import sampling
 import tpu_schedule
@@ -158,13 +159,8 @@ def test_our_decode_waits_for_the_pages_its_previous_step_started():
     before it waits for its own, so every step after the first waits for exactly the bytes the
     step before it started, and the waits add up to the starts: the model queues them across steps
     (`pipeline.own_copies_step_seconds`), a copy's latency paid where the queue runs dry."""
-    import kernel_profile
-
     shape, batch = paged_bench.SHAPES[0], paged_bench.Batch("decode 8 x 1k", 8, 0, 0, 1024)
-    routing = batch.routing()
-    data = [((batch.tokens, shape.q_heads, shape.head_dim), jnp.bfloat16),
-            *paged_bench.cache_specs(shape, routing, batch, jnp.bfloat16), ((shape.q_heads,), jnp.float32)]
-    index = [routing[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
+    routing, data, index = paged_bench.our_inputs(shape, batch, jnp.bfloat16)
     fn = paged_bench.ours(shape, routing, "v6e", jnp.bfloat16, BlockSizes(2, 16))  # 256-key chunks
     (profile,) = kernel_profile.profile(fn, *paged_bench.profile_args(data, index, (1, 2), routing))
     started, waited = profile.dma_bytes(), profile.waited_bytes()

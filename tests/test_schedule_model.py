@@ -183,8 +183,7 @@ def test_pipeline_sum_matches_a_hand_count():
 
 def test_a_profiled_kernels_copies_started_a_step_ahead_pay_one_latency():
     """A profiled kernel's own copies (`own_copies_step_seconds`), at 1 byte/s, latency 1:
-    copying within each step, a step lasts max(compute, latency + bytes) (what every step was
-    charged before the profile saw waits); copying the next step's pages before waiting for its
+    copying within each step, a step lasts max(compute, latency + bytes); copying the next step's pages before waiting for its
     own, the queue never runs dry while copies are the longer part: one latency in all."""
     compute, copies = np.array([2.0, 1.0, 6.0]), np.array([4, 4, 4])
     within = pipeline.own_copies_step_seconds(compute, copies, copies, 1.0, 1.0)
